@@ -1,0 +1,38 @@
+"""hf_specdiff: diffusion-drafter speculative decoding for plain transformers `generate()`.
+
+    import hf_specdiff
+    hf_specdiff.enable(target)
+    speculator = hf_specdiff.AutoSpeculator.from_pretrained(path)
+    target.generate(**inputs, assistant_model=speculator, speculation="xpress")
+
+Importing the package changes nothing in transformers; `enable(model)` opts a single model in.
+"""
+
+__version__ = "0.1.0"
+
+from .candidates import BlockDiffusionCandidateGenerator, SpeculationStats
+from .dflash import DFlashConfig, DFlashDraftModel
+from .embedded import load_default_target
+from .generation import SPECULATION_METHODS, SpeculativeDecoderOnlyOutput, disable, enable, is_enabled
+from .markov import MarkovConfig, MarkovHead
+from .speculator import AutoSpeculator, Speculator
+from .xpress import XPressConfig, XPressRefiner
+
+__all__ = [
+    "AutoSpeculator",
+    "BlockDiffusionCandidateGenerator",
+    "DFlashConfig",
+    "DFlashDraftModel",
+    "MarkovConfig",
+    "MarkovHead",
+    "SPECULATION_METHODS",
+    "SpeculationStats",
+    "SpeculativeDecoderOnlyOutput",
+    "Speculator",
+    "XPressConfig",
+    "XPressRefiner",
+    "disable",
+    "enable",
+    "is_enabled",
+    "load_default_target",
+]

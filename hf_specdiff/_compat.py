@@ -1,0 +1,68 @@
+"""Everything hf_specdiff needs from transformers beyond its public extension points, in one place.
+
+Supported: transformers >= 5.17, < 5.25 (tested: 5.17 and 5.24). `tests/test_compat.py` fails loudly outside
+that range, so an upgrade shows which of these facts to re-check:
+
+- The KV-cache argument of a model's `forward` is `past_key_values` in 5.17 and `cache` in 5.24.
+- `GenerateDecoderOnlyOutput` names its cache field `past_key_values` in 5.17 and `cache` in 5.24.
+- `Cache.crop(n)` with n < 0 removes |n| tokens in both; a positive n (old meaning: final length) is deprecated in
+  5.17 and raises in 5.24, so we only ever pass negative counts.
+- The native dFlash candidate generator reads `hidden_states[i]` for each of the drafter's `target_layer_ids` in
+  5.17 and `hidden_states[i + 1]` in 5.24 (index 0 is the embeddings; z-lab's convention is i + 1).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import transformers
+from packaging.version import Version
+
+MIN_TRANSFORMERS = Version("5.17.0")
+MAX_TRANSFORMERS_EXCLUSIVE = Version("5.25.0")
+TRANSFORMERS_VERSION = Version(transformers.__version__)
+
+
+def check_transformers_version() -> None:
+    if not MIN_TRANSFORMERS <= Version(TRANSFORMERS_VERSION.base_version) < MAX_TRANSFORMERS_EXCLUSIVE:
+        raise ImportError(
+            f"hf_specdiff supports transformers >= {MIN_TRANSFORMERS}, < {MAX_TRANSFORMERS_EXCLUSIVE}; found "
+            f"{transformers.__version__}. Install a supported version: pip install 'transformers>=5.17,<5.25'."
+        )
+
+
+def native_dflash_layer_ids(layer_ids: list[int]) -> list[int]:
+    """Layer ids to expose to transformers' native dFlash generator so it reads z-lab's `hidden_states[i + 1]`."""
+    if TRANSFORMERS_VERSION < Version("5.18.0"):
+        return [i + 1 for i in layer_ids]
+    return list(layer_ids)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_argument(forward) -> str:
+    parameters = inspect.signature(forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """`{name: cache}` with the name this model's forward expects."""
+    return {_cache_argument(type(model).forward): cache}
+
+
+def crop_cache(cache, num_tokens_to_remove: int) -> None:
+    """Drop the last `num_tokens_to_remove` positions of a transformers cache (no-op for 0)."""
+    if num_tokens_to_remove < 0:
+        raise ValueError(f"cannot remove a negative number of tokens ({num_tokens_to_remove}).")
+    if num_tokens_to_remove:
+        cache.crop(-num_tokens_to_remove)
+
+
+def generate_output_cache_field() -> str:
+    """Name of the cache field of transformers' generate outputs."""
+    import dataclasses
+
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    names = {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)}
+    return "cache" if "cache" in names else "past_key_values"

@@ -1,0 +1,205 @@
+"""dFlash block-diffusion drafter, in the published z-lab checkpoint layout.
+
+Reference: z-lab, "DFlash: Block Diffusion for Flash Speculative Decoding" (arXiv 2602.06036) and its Hub checkpoints
+(e.g. `z-lab/Qwen3-8B-DFlash-b16`). The drafter proposes a whole block of B positions in one forward pass:
+
+    context features  c = hidden_norm(fc(concat_l target_hidden[l + 1]))      l in target_layer_ids, shape (b, n, H)
+    block input       x = target.embed_tokens([anchor, MASK, ..., MASK])        shape (b, B, H)
+    every layer:      queries from the block only; keys/values = [k/v_proj(c) ; k/v_proj(x)]   ("KV injection")
+                      attention is non-causal over all context and all B block slots; RoPE at absolute positions
+    output            h = norm(x_L); slot k (1..B-1) predicts the token at its own position (z-lab convention)
+
+The drafter has no embedding and no lm_head: it borrows the target's. Context K/V are cached across steps; the
+block's K/V are dropped after each call (the caller crops them), so only features of newly accepted tokens are
+fed next time.
+
+Checkpoint layout (kept exactly so that z-lab checkpoints load and save back unchanged): weights at top level
+(`layers.{i}.self_attn.{q,k,v,o}_proj`, `layers.{i}.self_attn.{q,k}_norm`, `layers.{i}.mlp.{gate,up,down}_proj`,
+`layers.{i}.{input,post_attention}_layernorm`, `fc`, `hidden_norm`, `norm`), a Qwen3 `config.json` with
+`architectures: ["DFlashDraftModel"]`, `block_size` and `dflash_config: {mask_token_id, target_layer_ids}`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from huggingface_hub.dataclasses import strict
+from torch import nn
+from transformers import PreTrainedModel, Qwen3Config
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from . import _compat
+
+
+@strict
+class DFlashConfig(Qwen3Config):
+    r"""Configuration of a dFlash drafter: a Qwen3 config plus the dFlash fields, stored as z-lab stores them.
+
+    Args:
+        block_size (`int`, defaults to 16):
+            B, the number of block slots: the anchor (the last token accepted from the target) plus B-1 drafts.
+        dflash_config (`dict`):
+            `mask_token_id`: id of the token that fills the B-1 draft slots of the block input (an id of the target's
+            vocabulary; its embedding row is the target's). `target_layer_ids`: 0-based target decoder layers whose
+            outputs (`hidden_states[id + 1]`) form the context features.
+        num_target_layers (`int`, *optional*):
+            Number of decoder layers of the target the drafter was trained for (checked at generate time).
+    """
+
+    block_size: int = 16
+    dflash_config: dict | None = None
+    num_target_layers: int | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.dflash_config is None:
+            self.dflash_config = {}
+        if self.block_size < 2:
+            raise ValueError(f"`block_size` must be at least 2 (an anchor and one draft slot), got {self.block_size}.")
+        super().__post_init__(**kwargs)
+
+    @property
+    def mask_token_id(self) -> int:
+        if "mask_token_id" not in self.dflash_config:
+            raise ValueError("This dFlash config has no `dflash_config['mask_token_id']`: the checkpoint is incomplete.")
+        return self.dflash_config["mask_token_id"]
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """The target layers read by the drafter, z-lab semantics (layer l is `hidden_states[l + 1]`)."""
+        if "target_layer_ids" not in self.dflash_config:
+            raise ValueError("This dFlash config has no `dflash_config['target_layer_ids']`: the checkpoint is incomplete.")
+        return list(self.dflash_config["target_layer_ids"])
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        """The layer ids in the form transformers' native `speculation_type="dflash"` reads them (version dependent)."""
+        return _compat.native_dflash_layer_ids(self.layer_ids)
+
+
+def spread_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """Evenly spaced target layers from the second to the third-last, as the published drafters choose them."""
+    if num_features < 1 or num_target_layers < 1:
+        raise ValueError(f"need at least one layer and one feature, got {num_target_layers=} {num_features=}")
+    first, last = min(1, num_target_layers - 1), max(num_target_layers - 3, 0)
+    if num_features == 1:
+        return [(first + last) // 2]
+    return [round(first + i * (last - first) / (num_features - 1)) for i in range(num_features)]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (b, heads, t, d); cos/sin: (b, t, d)
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, block, context, cos, sin, key_padding_mask=None, cache=None):
+        # block: (b, B, H) queries and keys; context: (b, n, H) keys only; cos/sin: (b, n + B, d)
+        b, num_slots, _ = block.shape
+        kv_input = torch.cat([context, block], dim=1)
+        q = self.q_norm(self.q_proj(block).view(b, num_slots, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_input).view(b, kv_input.shape[1], -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(kv_input).view(b, kv_input.shape[1], -1, self.head_dim).transpose(1, 2)
+        q = _apply_rope(q, cos[:, -num_slots:], sin[:, -num_slots:])
+        k = _apply_rope(k, cos, sin)
+        if cache is not None:  # prepend the context K/V of earlier steps
+            k, v = cache.update(k, v, self.layer_idx)
+        # Non-causal: every slot sees all context and the whole block; only padding is masked.
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=key_padding_mask, enable_gqa=self.num_kv_heads != self.num_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, num_slots, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, block, context, cos, sin, key_padding_mask=None, cache=None):
+        block = block + self.self_attn(self.input_layernorm(block), context, cos, sin, key_padding_mask, cache)
+        return block + self.mlp(self.post_attention_layernorm(block))
+
+
+class DFlashDraftModel(PreTrainedModel):
+    """The dFlash drafter. `forward` follows transformers' native drafter interface (`speculation_type="dflash"`)."""
+
+    config_class = DFlashConfig
+    base_model_prefix = ""
+    _no_split_modules = ["DFlashDecoderLayer"]
+    _supports_sdpa = True
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__(config)
+        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.fc = nn.Linear(len(config.layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.post_init()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def context_features(self, target_hidden_states, num_tokens: int | None = None) -> torch.Tensor:
+        """Concatenate the target layers this drafter reads: (b, n, len(layer_ids) * H). `target_hidden_states` is
+        the target's `output_hidden_states` tuple (index 0 = embeddings); `num_tokens` keeps the first n positions."""
+        return torch.cat([target_hidden_states[i + 1][:, :num_tokens] for i in self.config.layer_ids], dim=-1)
+
+    def forward(
+        self,
+        noise_embeds: torch.Tensor,
+        context_hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        past_key_values=None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        r"""
+        Args:
+            noise_embeds: (b, B, H) target embeddings of `[anchor, MASK, ...]`.
+            context_hidden_states: (b, n, len(layer_ids) * H) raw target features of the n new context tokens.
+            position_ids: (b, n + B) absolute positions of the new context tokens, then of the block.
+            attention_mask: optional (b, kv_len) 2D padding mask over everything attended (cached context, new
+                context, block); 0 marks padding.
+            cache / past_key_values: a transformers `Cache` holding earlier context K/V (both names are accepted:
+                transformers 5.24 passes `cache=`, 5.17 `past_key_values=`). The caller crops the block's K/V.
+        Returns:
+            `last_hidden_state`: (b, B, H), after the final norm.
+        """
+        if kwargs:
+            raise TypeError(f"DFlashDraftModel.forward got unexpected arguments {sorted(kwargs)}.")
+        cache = cache if cache is not None else past_key_values
+        context = self.hidden_norm(self.fc(context_hidden_states))
+        cos, sin = self.rotary_emb(noise_embeds, position_ids)
+        key_padding_mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            key_padding_mask = attention_mask[:, None, None, :].bool()  # (b, 1, 1, kv_len)
+        hidden = noise_embeds
+        for layer in self.layers:
+            hidden = layer(hidden, context, cos, sin, key_padding_mask, cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))

@@ -1,0 +1,294 @@
+"""A speculator: a dFlash drafter plus its optional add-ons (xPress refiner, Markov head), saved as one Hub repo.
+
+Layout (a Hub model repo or a local folder):
+
+    config.json, model.safetensors     the drafter, exactly in z-lab's published layout (loads in z-lab's code and
+                                       in transformers' native `speculation_type="dflash"`)
+    refiner/config.json, ...           the xPress refiner (optional)
+    markov_head/config.json, ...       the Markov head baseline (optional)
+    speculator.json                    {"format": "hf_specdiff.speculator", "format_version": 1, "components": [...]}
+
+A folder without `speculator.json` is read as a bare z-lab drafter. Only new weights are stored: the drafter
+borrows the target's embedding and lm_head, which are never copied into the artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .dflash import DFlashConfig, DFlashDraftModel, spread_layer_ids
+from .markov import MarkovConfig, MarkovHead
+from .xpress import XPressConfig, XPressRefiner
+
+MANIFEST = "speculator.json"
+FORMAT = "hf_specdiff.speculator"
+FORMAT_VERSION = 1
+_COMPONENTS = {"refiner": XPressRefiner, "markov_head": MarkovHead}
+
+
+class Speculator(nn.Module):
+    """Drafter + optional refiner + optional Markov head. Pass it as `assistant_model` to an enabled target."""
+
+    def __init__(self, drafter: DFlashDraftModel, refiner: XPressRefiner | None = None, markov_head: MarkovHead | None = None):
+        super().__init__()
+        if not isinstance(drafter, DFlashDraftModel):
+            raise TypeError(f"`drafter` must be a DFlashDraftModel, got {type(drafter).__name__}.")
+        block, vocab, hidden = drafter.config.block_size, drafter.config.vocab_size, drafter.config.hidden_size
+        for name, part in (("refiner", refiner), ("markov_head", markov_head)):
+            if part is None:
+                continue
+            if part.config.block_size != block:
+                raise ValueError(f"The {name} was built for block size {part.config.block_size}, the drafter uses {block}.")
+            if part.config.vocab_size != vocab:
+                raise ValueError(f"The {name} has vocabulary {part.config.vocab_size}, the drafter {vocab}.")
+        if refiner is not None and refiner.config.hidden_size != hidden:
+            raise ValueError(f"The refiner reads hidden size {refiner.config.hidden_size}, the drafter has {hidden}.")
+        self.drafter = drafter
+        self.refiner = refiner
+        self.markov_head = markov_head
+
+    @property
+    def config(self):
+        # transformers' assisted decoding reads `assistant_model.config`; getting here means the target was not
+        # enabled, so say how to use a speculator instead of failing somewhere inside transformers.
+        raise TypeError(
+            "A Speculator is used through hf_specdiff: call hf_specdiff.enable(model) once, then "
+            "model.generate(..., assistant_model=speculator, speculation='xpress' | 'dflash' | 'markov')."
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.drafter.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.drafter.dtype
+
+    @property
+    def block_size(self) -> int:
+        return self.drafter.config.block_size
+
+    def check_compatible(self, target, method: str | None = None) -> None:
+        """Raise a ValueError naming both values if this speculator cannot draft for `target` (with `method`)."""
+        text_config = target.config.get_text_config()
+        drafter = self.drafter.config
+        checks = [
+            ("hidden size", drafter.hidden_size, text_config.hidden_size),
+            ("vocabulary size", drafter.vocab_size, target.get_output_embeddings().weight.shape[0]),
+        ]
+        if drafter.num_target_layers is not None:
+            checks.append(("number of target layers", drafter.num_target_layers, text_config.num_hidden_layers))
+        for what, ours, theirs in checks:
+            if ours != theirs:
+                raise ValueError(
+                    f"Speculator/target mismatch: the drafter was built for {what} {ours}, the target has {theirs}. "
+                    "Use a speculator trained for this target, or build one with AutoSpeculator.from_target(target)."
+                )
+        bad_layers = [i for i in drafter.layer_ids if not 0 <= i < text_config.num_hidden_layers]
+        if bad_layers:
+            raise ValueError(
+                f"The drafter reads target layers {bad_layers}, but the target has layers 0..{text_config.num_hidden_layers - 1}."
+            )
+        if not 0 <= drafter.mask_token_id < target.get_input_embeddings().weight.shape[0]:
+            raise ValueError(
+                f"The drafter's mask token id {drafter.mask_token_id} is outside the target's embedding table "
+                f"({target.get_input_embeddings().weight.shape[0]} rows)."
+            )
+        target_param = target.get_output_embeddings().weight
+        if self.device != target_param.device:
+            raise ValueError(
+                f"The speculator is on {self.device} and the target on {target_param.device}: move it with "
+                f"speculator.to({str(target_param.device)!r})."
+            )
+        if self.dtype != target_param.dtype:
+            raise ValueError(
+                f"The speculator is in {self.dtype} and the target in {target_param.dtype}: cast it with "
+                f"speculator.to({target_param.dtype})."
+            )
+        if method == "xpress" and self.refiner is None:
+            raise ValueError(
+                "speculation='xpress' needs an xPress refiner, and this speculator has none. Train one "
+                "(hf-specdiff train) or use speculation='dflash'."
+            )
+        if method == "markov" and self.markov_head is None:
+            raise ValueError(
+                "speculation='markov' needs a Markov head, and this speculator has none. Train one "
+                "(hf-specdiff train) or use speculation='dflash'."
+            )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Saving and loading
+    # ------------------------------------------------------------------------------------------------------------
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
+        """Write the drafter at the top level (z-lab layout) and each add-on in its own subfolder."""
+        save_directory = Path(save_directory)
+        self.drafter.save_pretrained(save_directory, **kwargs)
+        components = []
+        for name in _COMPONENTS:
+            part = getattr(self, name)
+            if part is not None:
+                part.save_pretrained(save_directory / name, **kwargs)
+                components.append(name)
+        from . import __version__
+
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "hf_specdiff_version": __version__,
+                    "components": components}
+        (save_directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+    def push_to_hub(self, repo_id: str, commit_message: str = "Upload speculator", private: bool | None = None,
+                    token: str | None = None, **kwargs) -> str:
+        """Save to a temporary folder and upload it as one commit. Returns the commit URL."""
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder)
+            return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, dtype=None, device=None, **hub_kwargs) -> "Speculator":
+        """Load from a local folder or a Hub repo id (offline, a repo id must already be in the local cache)."""
+        from transformers.utils import cached_file
+
+        path_or_repo_id = str(path_or_repo_id)
+        manifest = None
+        manifest_file = cached_file(
+            path_or_repo_id, MANIFEST, _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False, **hub_kwargs,
+        )
+        if manifest_file is not None:
+            manifest = _read_manifest(manifest_file)
+        try:
+            config_file = cached_file(path_or_repo_id, "config.json", **hub_kwargs)
+        except OSError as error:
+            raise OSError(
+                f"No speculator at {path_or_repo_id!r}: it is not a local folder with a config.json, and the Hub "
+                f"repo could not be read (offline, it must already be in the local Hub cache). {error}"
+            ) from error
+        config = json.loads(Path(config_file).read_text())
+        if "DFlashDraftModel" not in (config.get("architectures") or []) or "dflash_config" not in config:
+            raise ValueError(
+                f"{path_or_repo_id} is not a dFlash drafter checkpoint: its config.json needs architectures "
+                f"['DFlashDraftModel'] and a `dflash_config` (found architectures={config.get('architectures')})."
+            )
+        drafter = _load_strict(DFlashDraftModel, path_or_repo_id, dtype, **hub_kwargs)
+        parts = {}
+        for name in (manifest or {}).get("components", []):
+            parts[name] = _load_strict(_COMPONENTS[name], path_or_repo_id, dtype, subfolder=name, **hub_kwargs)
+        speculator = cls(drafter, **parts)
+        return speculator.to(device) if device is not None else speculator
+
+
+def _read_manifest(path: str) -> dict:
+    try:
+        manifest = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); the speculator folder is corrupt.") from error
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an hf_specdiff speculator manifest (format={manifest.get('format')!r}).")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path} has speculator format version {manifest.get('format_version')}; this hf_specdiff reads version "
+            f"{FORMAT_VERSION}. Upgrade hf_specdiff."
+        )
+    unknown = [c for c in manifest.get("components", []) if c not in _COMPONENTS]
+    if unknown:
+        raise ValueError(f"{path} lists unknown components {unknown}; known: {sorted(_COMPONENTS)}.")
+    return manifest
+
+
+def _load_strict(model_class, path_or_repo_id: str, dtype, **kwargs):
+    """`from_pretrained` that refuses missing or unexpected weights instead of initialising them randomly."""
+    try:
+        model, info = model_class.from_pretrained(path_or_repo_id, dtype=dtype, output_loading_info=True, **kwargs)
+    except OSError:
+        raise
+    except Exception as error:  # a truncated or malformed safetensors file surfaces as various errors
+        where = f"{path_or_repo_id}/{kwargs.get('subfolder', '')}".rstrip("/")
+        raise ValueError(f"Could not load the {model_class.__name__} weights from {where}: {error}") from error
+    problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if problems:
+        raise ValueError(
+            f"The {model_class.__name__} checkpoint at {path_or_repo_id} does not match its config: {problems}. "
+            "The artifact is corrupt or was written for another configuration."
+        )
+    return model.eval()
+
+
+class AutoSpeculator:
+    """Entry points: `from_pretrained` (a saved speculator or a bare z-lab drafter) and `from_target` (untrained,
+    sized for a target: the start of training)."""
+
+    def __init__(self):
+        raise TypeError("Use AutoSpeculator.from_pretrained(...) or AutoSpeculator.from_target(...).")
+
+    from_pretrained = staticmethod(Speculator.from_pretrained)
+
+    @staticmethod
+    def from_target(
+        target,
+        block_size: int = 16,
+        num_draft_layers: int = 1,
+        mask_token_id: int | None = None,
+        target_layer_ids: list[int] | None = None,
+        refiner_rank: int = 256,
+        with_refiner: bool = True,
+        with_markov_head: bool = True,
+        seed: int | None = None,
+    ) -> Speculator:
+        """A randomly initialised speculator whose shapes fit `target` (a Llama / Qwen2 / Qwen3 style causal LM).
+
+        The drafter copies the target's attention geometry and RoPE; `target_layer_ids` default to
+        `num_draft_layers` layers spread over the target's depth, as in the published drafters. `mask_token_id`
+        defaults to the last row of the target's embedding table.
+        """
+        text = target.config.get_text_config()
+        for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"):
+            if getattr(text, field, None) is None:
+                raise ValueError(
+                    f"{type(target).__name__} has no `{field}` in its config: hf_specdiff drafts for Llama / Qwen2 / "
+                    "Qwen3 style decoder-only models."
+                )
+        vocab_size = target.get_input_embeddings().weight.shape[0]
+        if target_layer_ids is None:
+            target_layer_ids = spread_layer_ids(text.num_hidden_layers, num_draft_layers)
+        if mask_token_id is None:
+            mask_token_id = vocab_size - 1
+        if seed is not None:
+            torch.manual_seed(seed)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        drafter_config = DFlashConfig(
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_hidden_layers=num_draft_layers,
+            num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            head_dim=head_dim,
+            hidden_act=getattr(text, "hidden_act", "silu"),
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            rope_parameters=dict(getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
+            max_position_embeddings=getattr(text, "max_position_embeddings", 32768),
+            vocab_size=vocab_size,
+            block_size=block_size,
+            num_target_layers=text.num_hidden_layers,
+            dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+            architectures=["DFlashDraftModel"],
+            use_cache=False,
+        )
+        parameter = target.get_output_embeddings().weight
+        drafter = DFlashDraftModel(drafter_config)
+        refiner = markov_head = None
+        if with_refiner:
+            refiner = XPressRefiner(XPressConfig(hidden_size=text.hidden_size, vocab_size=vocab_size,
+                                                 rank=refiner_rank, block_size=block_size))
+        if with_markov_head:
+            markov_head = MarkovHead(MarkovConfig(vocab_size=vocab_size, rank=refiner_rank, block_size=block_size))
+        return Speculator(drafter, refiner, markov_head).to(device=parameter.device, dtype=parameter.dtype).eval()

@@ -1,0 +1,75 @@
+"""Tiny models for the invariants: a random target (drafts almost never accepted), a "successor" target whose
+greedy continuation is mostly t -> t + 1 (drafts often accepted), and oracle add-ons that propose t -> t + 1."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the Hub; set before huggingface_hub is imported
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_specdiff
+from hf_specdiff import AutoSpeculator
+
+VOCAB = 64
+
+
+def make_target(vocab_size=VOCAB, hidden_size=64, num_layers=3, dtype=torch.float64, seed=0, eos_token_id=None):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        bos_token_id=0, eos_token_id=eos_token_id, pad_token_id=0, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def successor(vocab_size: int) -> torch.Tensor:
+    """(V, V) matrix with a 1 at [t + 1, t]: maps token t to t + 1 (mod V)."""
+    return torch.roll(torch.eye(vocab_size), shifts=1, dims=0)
+
+
+def make_successor_target(layer_scale=12.0, logit_scale=1.0, vocab_size=VOCAB, **kwargs):
+    """Residual stream = one-hot(token) + attention/MLP noise; lm_head reads token t as t + 1. The layers' output
+    projections are scaled up so that context sometimes overrides the successor rule."""
+    target = make_target(vocab_size=vocab_size, hidden_size=max(vocab_size, 8), **kwargs)
+    with torch.no_grad():
+        target.model.embed_tokens.weight.copy_(torch.eye(vocab_size, target.config.hidden_size))
+        target.lm_head.weight.copy_(logit_scale * torch.eye(vocab_size, target.config.hidden_size).roll(1, dims=0))
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.mul_(layer_scale)
+            layer.mlp.down_proj.weight.mul_(layer_scale)
+    return target
+
+
+def make_speculator(target, block_size=8, oracle=False, strength=6.0, num_jacobi_passes=4, seed=1):
+    vocab = target.config.vocab_size
+    spec = AutoSpeculator.from_target(target, block_size=block_size, num_draft_layers=2, refiner_rank=vocab, seed=seed)
+    spec.refiner.config.num_jacobi_passes = num_jacobi_passes
+    if oracle:  # both add-ons propose prev + 1, overriding the random drafter
+        with torch.no_grad():
+            eye, succ = torch.eye(vocab), successor(vocab)
+            spec.markov_head.w1.weight.copy_(eye * strength)
+            spec.markov_head.w2.weight.copy_(succ * strength)
+            refiner = spec.refiner
+            refiner.down_h.weight.zero_()
+            refiner.down_g.weight.zero_()
+            refiner.w1.weight.copy_(eye * strength)
+            refiner.in_proj.weight.zero_()
+            refiner.in_proj.weight[:, 2 * vocab :].copy_(eye)
+            refiner.down.weight.zero_()
+            refiner.w2.weight.copy_(succ * strength)
+    return spec
+
+
+@pytest.fixture
+def random_target():
+    return hf_specdiff.enable(make_target())
+
+
+@pytest.fixture
+def successor_target():
+    return hf_specdiff.enable(make_successor_target())

@@ -1,0 +1,187 @@
+"""Save/load round trips: z-lab's published drafter layout, full speculators, and corrupt artifacts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import VOCAB, make_speculator, make_target
+from safetensors.torch import load_file, save_file
+
+import hf_specdiff
+from hf_specdiff import AutoSpeculator, Speculator
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 2, 4, 2, 16, 128
+
+
+def write_zlab_checkpoint(folder, seed=0):
+    """A drafter written the way z-lab publishes one (config.json + model.safetensors), without our classes."""
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "block_size": 8,
+        "bos_token_id": 0,
+        "dflash_config": {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 2]},
+        "dtype": "float32",
+        "eos_token_id": 2,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "initializer_range": 0.02,
+        "intermediate_size": FFN,
+        "layer_types": ["full_attention"] * LAYERS,
+        "max_position_embeddings": 1024,
+        "max_window_layers": LAYERS,
+        "model_type": "qwen3",
+        "num_attention_heads": HEADS,
+        "num_hidden_layers": LAYERS,
+        "num_key_value_heads": KV_HEADS,
+        "num_target_layers": 3,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "transformers_version": "4.57.1",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": VOCAB,
+    }
+    generator = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=generator) * 0.05
+
+    tensors = {"fc.weight": w(HIDDEN, 2 * HIDDEN), "hidden_norm.weight": 1 + w(HIDDEN), "norm.weight": 1 + w(HIDDEN)}
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": w(HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.k_proj.weight": w(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.v_proj.weight": w(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.o_proj.weight": w(HIDDEN, HEADS * HEAD_DIM),
+            p + "self_attn.q_norm.weight": 1 + w(HEAD_DIM),
+            p + "self_attn.k_norm.weight": 1 + w(HEAD_DIM),
+            p + "mlp.gate_proj.weight": w(FFN, HIDDEN),
+            p + "mlp.up_proj.weight": w(FFN, HIDDEN),
+            p + "mlp.down_proj.weight": w(HIDDEN, FFN),
+            p + "input_layernorm.weight": 1 + w(HIDDEN),
+            p + "post_attention_layernorm.weight": 1 + w(HIDDEN),
+        }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return config, tensors
+
+
+def test_zlab_layout_loads_generates_and_saves_back_identically(tmp_path):
+    config, tensors = write_zlab_checkpoint(tmp_path / "zlab")
+    speculator = AutoSpeculator.from_pretrained(tmp_path / "zlab", dtype=torch.float64)
+    assert speculator.refiner is None and speculator.markov_head is None
+    assert speculator.drafter.config.layer_ids == [0, 2] and speculator.block_size == 8
+
+    target = hf_specdiff.enable(make_target())
+    prompt = torch.tensor([[4, 9, 1, 33, 7]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=24)
+    out = target.generate(prompt, do_sample=False, max_new_tokens=24, assistant_model=speculator, speculation="dflash")
+    assert torch.equal(out, plain)
+
+    speculator.to(torch.float32).save_pretrained(tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert sorted(saved) == sorted(tensors), "weight names must stay in z-lab's layout"
+    for name, tensor in tensors.items():
+        assert torch.equal(saved[name], tensor), name
+    saved_config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    for key in ("architectures", "auto_map", "block_size", "dflash_config", "model_type", "hidden_size",
+                "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "num_target_layers", "rms_norm_eps", "vocab_size"):
+        assert saved_config[key] == config[key], key
+    assert saved_config["rope_parameters"]["rope_theta"] == config["rope_theta"]
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == ["config.json", "model.safetensors", "speculator.json"]
+
+
+def test_speculator_round_trip(tmp_path):
+    target = hf_specdiff.enable(make_target())
+    speculator = make_speculator(target)
+    with torch.no_grad():  # non-zero mixer so that it is really saved and loaded
+        speculator.refiner.mix.normal_()
+    speculator.save_pretrained(tmp_path)
+    files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert files == ["config.json", "markov_head/config.json", "markov_head/model.safetensors", "model.safetensors",
+                     "refiner/config.json", "refiner/model.safetensors", "speculator.json"]
+    loaded = AutoSpeculator.from_pretrained(tmp_path, dtype=torch.float64)
+    for name in ("drafter", "refiner", "markov_head"):
+        ours, theirs = getattr(speculator, name).state_dict(), getattr(loaded, name).state_dict()
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            assert torch.equal(ours[key], theirs[key]), f"{name}.{key}"
+    assert loaded.refiner.config.num_jacobi_passes == speculator.refiner.config.num_jacobi_passes
+    prompt = torch.tensor([[4, 9, 1, 33, 7]])
+    for method in ("xpress", "markov"):
+        a = target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=speculator, speculation=method)
+        b = target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=loaded, speculation=method)
+        assert torch.equal(a, b)
+    # no base-model weights in the artifact: the drafter borrows the target's embedding and lm_head
+    assert not any("embed" in k or "lm_head" in k for k in load_file(tmp_path / "model.safetensors"))
+
+
+def test_missing_weight_is_a_clear_error(tmp_path):
+    _, tensors = write_zlab_checkpoint(tmp_path)
+    del tensors["fc.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="does not match its config.*fc.weight"):
+        AutoSpeculator.from_pretrained(tmp_path)
+
+
+def test_truncated_weights_file_is_a_clear_error(tmp_path):
+    write_zlab_checkpoint(tmp_path)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises((ValueError, OSError), match="(?i)could not load|safetensors|corrupt|error"):
+        AutoSpeculator.from_pretrained(tmp_path)
+
+
+def test_not_a_drafter_is_a_clear_error(tmp_path):
+    make_target().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not a dFlash drafter checkpoint"):
+        AutoSpeculator.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "manifest,message",
+    [
+        ('{"format": "hf_specdiff.speculator", "format_version": 99, "components": []}', "format version 99"),
+        ('{"format": "something-else", "format_version": 1}', "not an hf_specdiff speculator manifest"),
+        ('{"format": "hf_specdiff.speculator", "format_version": 1, "components": ["medusa"]}', "unknown components"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_bad_manifest_is_a_clear_error(tmp_path, manifest, message):
+    write_zlab_checkpoint(tmp_path)
+    (tmp_path / "speculator.json").write_text(manifest)
+    with pytest.raises(ValueError, match=message):
+        AutoSpeculator.from_pretrained(tmp_path)
+
+
+def test_missing_component_folder_is_a_clear_error(tmp_path):
+    write_zlab_checkpoint(tmp_path)
+    (tmp_path / "speculator.json").write_text(
+        '{"format": "hf_specdiff.speculator", "format_version": 1, "components": ["refiner"]}')
+    with pytest.raises(OSError):
+        AutoSpeculator.from_pretrained(tmp_path)
+
+
+def test_unknown_hub_id_offline_is_a_clear_error():
+    with pytest.raises(OSError, match="not a local folder"):
+        AutoSpeculator.from_pretrained("hf-specdiff-tests/does-not-exist")
+
+
+def test_components_must_agree():
+    target = make_target()
+    speculator = make_speculator(target)
+    other = make_speculator(target, block_size=4)
+    with pytest.raises(ValueError, match="block size 4"):
+        Speculator(speculator.drafter, refiner=other.refiner)

