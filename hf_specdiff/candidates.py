@@ -111,6 +111,7 @@ class SpeculationStats:
 
     method: str
     accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step, bonus included
+    drafted_lengths: list[int] = field(default_factory=list)  # draft tokens offered per verify step
     drafted_tokens: int = 0
     accepted_tokens: int = 0  # draft tokens the target accepted (bonus tokens excluded)
     target_forwards: int = 0  # prefill included
@@ -128,12 +129,24 @@ class SpeculationStats:
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / max(self.drafted_tokens, 1)
 
+    def accepted_at_position(self) -> tuple[list[int], list[int]]:
+        """(accepted, offered) counts per block position: a draft at position i is offered when the step drafted
+        more than i tokens and accepted when more than i were accepted."""
+        size = max(self.drafted_lengths, default=0)
+        accepted, offered = [0] * size, [0] * size
+        for drafted, emitted in zip(self.drafted_lengths, self.accepted_lengths):
+            for i in range(drafted):
+                offered[i] += 1
+                accepted[i] += int(emitted - 1 > i)
+        return accepted, offered
+
     def to_dict(self) -> dict:
         return {
             "method": self.method,
             "tau": self.tau,
             "acceptance_rate": self.acceptance_rate,
             "accepted_lengths": list(self.accepted_lengths),
+            "drafted_lengths": list(self.drafted_lengths),
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "target_forwards": self.target_forwards,

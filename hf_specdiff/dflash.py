@@ -185,7 +185,8 @@ class DFlashDraftModel(PreTrainedModel):
             context_hidden_states: (b, n, len(layer_ids) * H) raw target features of the n new context tokens.
             position_ids: (b, n + B) absolute positions of the new context tokens, then of the block.
             attention_mask: optional (b, kv_len) 2D padding mask over everything attended (cached context, new
-                context, block); 0 marks padding.
+                context, block), 0 marking padding; or a boolean (b, 1, q_len, kv_len) mask used as is (training
+                packs several blocks per sequence, each seeing only the context before its own anchor).
             cache / past_key_values: a transformers `Cache` holding earlier context K/V (both names are accepted:
                 transformers 5.24 passes `cache=`, 5.17 `past_key_values=`). The caller crops the block's K/V.
         Returns:
@@ -197,7 +198,9 @@ class DFlashDraftModel(PreTrainedModel):
         context = self.hidden_norm(self.fc(context_hidden_states))
         cos, sin = self.rotary_emb(noise_embeds, position_ids)
         key_padding_mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):
+        if attention_mask is not None and attention_mask.dim() == 4:
+            key_padding_mask = attention_mask.bool()
+        elif attention_mask is not None and not bool(attention_mask.all()):
             key_padding_mask = attention_mask[:, None, None, :].bool()  # (b, 1, 1, kv_len)
         hidden = noise_embeds
         for layer in self.layers:

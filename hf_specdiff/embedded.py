@@ -66,6 +66,16 @@ def default_target_path(cache_dir: str | os.PathLike | None = None) -> Path:
     return folder
 
 
+def default_speculator_path() -> Path:
+    """The speculator shipped inside the package for the embedded target (drafter + xPress + Markov head)."""
+    path = Path(__file__).parent / "speculators" / "smollm2-135m-instruct"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"The shipped speculator is missing from {path}: reinstall hf_specdiff, or pass a speculator path."
+        )
+    return path
+
+
 def load_default_target(dtype="float32", device: str | None = None, cache_dir=None):
     """Return `(model, tokenizer)` for the embedded SmolLM2-135M-Instruct, loaded from the local cache."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -178,6 +178,7 @@ def speculative_decoding(
             new_tokens = new_tokens[:, : stop + 1]
         if not first:
             stats.accepted_lengths.append(new_tokens.shape[1])
+            stats.drafted_lengths.append(num_drafts)
             stats.accepted_tokens += min(num_accepted, new_tokens.shape[1])
         if keep_scores:
             scores.extend(target_scores[:, i] for i in range(new_tokens.shape[1]))

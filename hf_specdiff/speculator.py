@@ -74,8 +74,9 @@ class Speculator(nn.Module):
     def block_size(self) -> int:
         return self.drafter.config.block_size
 
-    def check_compatible(self, target, method: str | None = None) -> None:
-        """Raise a ValueError naming both values if this speculator cannot draft for `target` (with `method`)."""
+    def check_compatible(self, target, method: str | None = None, placement: bool = True) -> None:
+        """Raise a ValueError naming both values if this speculator cannot draft for `target` (with `method`);
+        `placement` also requires the same device and dtype as the target's lm_head."""
         text_config = target.config.get_text_config()
         drafter = self.drafter.config
         checks = [
@@ -101,12 +102,12 @@ class Speculator(nn.Module):
                 f"({target.get_input_embeddings().weight.shape[0]} rows)."
             )
         target_param = target.get_output_embeddings().weight
-        if self.device != target_param.device:
+        if placement and self.device != target_param.device:
             raise ValueError(
                 f"The speculator is on {self.device} and the target on {target_param.device}: move it with "
                 f"speculator.to({str(target_param.device)!r})."
             )
-        if self.dtype != target_param.dtype:
+        if placement and self.dtype != target_param.dtype:
             raise ValueError(
                 f"The speculator is in {self.dtype} and the target in {target_param.dtype}: cast it with "
                 f"speculator.to({target_param.dtype})."

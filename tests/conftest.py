@@ -73,3 +73,16 @@ def random_target():
 @pytest.fixture
 def successor_target():
     return hf_specdiff.enable(make_successor_target())
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow (minutes on a 2-core CPU)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

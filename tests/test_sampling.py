@@ -89,6 +89,7 @@ def setup():
     return target, make_speculator(target, block_size=4, oracle=True, strength=1.2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method,temperature,top_k", [("xpress", 1.0, None), ("markov", 1.0, None), ("dflash", 1.0, None), ("xpress", 0.7, 4)]
 )
@@ -102,6 +103,7 @@ def test_speculative_sampling_matches_target_distribution(setup, method, tempera
     assert p_value > 1e-3, f"{method}: speculative samples do not follow the target (p={p_value:.2e})"
 
 
+@pytest.mark.slow
 def test_negative_control_broken_verifier_is_caught(setup, monkeypatch):
     def accept_everything(target_scores, draft_scores, candidates):
         bonus = torch.multinomial(target_scores[:, candidates.shape[1]].softmax(-1), 1)

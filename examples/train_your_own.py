@@ -1,0 +1,55 @@
+"""Train a speculator for your own target by self-distillation, then use it.
+
+1. Answers: the target answers real prompts with its own chat template (greedy), one JSON line per prompt with
+   `prompt_ids` and `response_ids`. This script does it for a few GSM8K questions; at real size use thousands.
+2. Train: drafter + xPress refiner + Markov head together (`hf-specdiff train` is the same with flags).
+3. Generate with it.
+
+    python examples/train_your_own.py --steps 20            # a few minutes on a laptop CPU (toy size)
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import hf_specdiff
+from hf_specdiff.training import TrainConfig, train
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--questions", default="shared/data/gsm8k/train.jsonl", help="JSONL with a `question` field")
+parser.add_argument("--num-prompts", type=int, default=24)
+parser.add_argument("--steps", type=int, default=20)
+parser.add_argument("--output-dir", default="runs/example")
+args = parser.parse_args()
+
+target, tokenizer = hf_specdiff.load_default_target()  # or AutoModelForCausalLM.from_pretrained(your_model)
+
+# 1. Self-distillation data
+out_dir = Path(args.output_dir)
+out_dir.mkdir(parents=True, exist_ok=True)
+data = out_dir / "answers.jsonl"
+with open(args.questions) as rows, data.open("w") as answers:
+    for i, line in zip(range(args.num_prompts), rows):
+        question = json.loads(line)["question"]
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        response = target.generate(ids, do_sample=False, max_new_tokens=64)[0, ids.shape[1]:]
+        answers.write(json.dumps({"prompt_ids": ids[0].tolist(), "response_ids": response.tolist()}) + "\n")
+
+# 2. Training (toy size: raise max_steps, max_seq_len and the data for a useful speculator)
+config = TrainConfig(data=[str(data)], output_dir=str(out_dir / "run"), max_steps=args.steps, max_seq_len=160,
+                     anchors_per_sequence=4, batch_size=2, refiner_rank=32, mask_token_id=16,
+                     holdout_sequences=4, eval_every=max(args.steps // 2, 1), save_every=args.steps)
+speculator = train(config, target=target)
+
+# 3. Use it: greedy output is the target's own, whatever the speculator's quality
+hf_specdiff.enable(target)
+ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 15 + 27?"}], add_generation_prompt=True,
+                                    return_tensors="pt", return_dict=True)
+out = target.generate(**ids, assistant_model=speculator, speculation="xpress", do_sample=False, max_new_tokens=32,
+                      return_dict_in_generate=True)
+assert torch.equal(out.sequences, target.generate(**ids, do_sample=False, max_new_tokens=32))
+print(tokenizer.decode(out.sequences[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+print(f"tau {out.speculation.tau:.2f}; speculator saved in {config.output_dir}/speculator")

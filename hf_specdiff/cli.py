@@ -1,0 +1,141 @@
+"""`hf-specdiff` command line: train, bench, demo. Options mirror the dataclasses they fill (one default each)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+
+
+def _add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
+    """One `--field-name` per dataclass field; lists take several values; a JSON `--config` file sets defaults."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        base = next((a for a in args if a is not type(None)), hint) if args and type(None) in args else hint
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if typing.get_origin(base) is list:
+            item = typing.get_args(base)[0]
+            parser.add_argument(flag, nargs="+", type=item, default=default, help=f"(default: {default})")
+        elif base is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            parser.add_argument(flag, type=base, default=default, help=f"(default: {default})")
+
+
+def _dataclass_from_args(cls, args: argparse.Namespace):
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    if getattr(args, "config", None):
+        with open(args.config) as file:
+            from_file = json.load(file)
+        unknown = set(from_file) - set(values)
+        if unknown:
+            raise SystemExit(f"{args.config}: unknown options {sorted(unknown)}")
+        # flags given on the command line win over the file
+        given = {a.lstrip("-").split("=")[0].replace("-", "_") for a in sys.argv if a.startswith("--")}
+        values.update({k: v for k, v in from_file.items() if k not in given})
+    return cls(**values)
+
+
+DEMO_PROMPT = (
+    "A baker makes 24 muffins in the morning and 18 in the afternoon. She sells 30 of them. "
+    "How many muffins are left? Explain step by step."
+)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def demo(prompt: str, max_new_tokens: int, speculator_path: str | None, device: str) -> None:
+    """The embedded target and its shipped speculator: stream an answer, then compare methods (greedy)."""
+    import time
+
+    import torch
+    from transformers import TextStreamer
+
+    import hf_specdiff
+
+    print("Loading SmolLM2-135M-Instruct (embedded; the first run dequantizes it once) ...", flush=True)
+    target, tokenizer = hf_specdiff.load_default_target(device=device)
+    hf_specdiff.enable(target)
+    path = speculator_path or hf_specdiff.default_speculator_path()
+    speculator = hf_specdiff.AutoSpeculator.from_pretrained(path).to(device=device, dtype=target.dtype)
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True).to(device)
+    print(f"\n> {prompt}\n")
+    target.generate(**inputs, assistant_model=speculator, speculation="xpress", max_new_tokens=max_new_tokens,
+                    do_sample=False, streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
+
+    rows, reference = [], None
+    for method in (None, "dflash", "xpress"):
+        kwargs = dict(assistant_model=speculator, speculation=method) if method else {}
+        target.generate(**inputs, max_new_tokens=8, do_sample=False, **kwargs)  # warm-up
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                              return_dict_in_generate=True, **kwargs)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        new = out.sequences.shape[1] - inputs["input_ids"].shape[1]
+        reference = out.sequences if reference is None else reference
+        tau = out.speculation.tau if method else 1.0
+        rows.append((method or "plain", new / seconds, tau, torch.equal(out.sequences, reference)))
+    base = rows[0][1]
+    print(f"\n{'method':<8} {'tokens/s':>9} {'tau':>6} {'speedup':>8}  identical to plain greedy")
+    for name, speed, tau, same in rows:
+        print(f"{name:<8} {speed:>9.1f} {tau:>6.2f} {speed / base:>7.2f}x  {'yes' if same else 'NO'}")
+    print(f"({device}, {target.dtype}; tau = tokens per target forward, bonus token included)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-specdiff", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    from .training import TrainConfig
+
+    train_parser = commands.add_parser("train", help="train a speculator (drafter + xPress + Markov) for a target")
+    train_parser.add_argument("--config", help="JSON file with TrainConfig fields")
+    _add_dataclass_arguments(train_parser, TrainConfig)
+
+    from .bench import BenchConfig
+
+    bench_parser = commands.add_parser("bench", help="measure every method side by side on real prompt sets")
+    bench_parser.add_argument("--config", help="JSON file with BenchConfig fields")
+    _add_dataclass_arguments(bench_parser, BenchConfig)
+
+    demo_parser = commands.add_parser("demo", help="stream an answer with xPress, then compare plain / dflash / xpress")
+    demo_parser.add_argument("--prompt", default=DEMO_PROMPT)
+    demo_parser.add_argument("--max-new-tokens", type=int, default=128)
+    demo_parser.add_argument("--speculator", default=None, help="default: the speculator shipped for the embedded target")
+    demo_parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        from .bench import markdown_table, run_bench, write_outputs
+
+        config = _dataclass_from_args(BenchConfig, args)
+        result = run_bench(config)
+        write_outputs(result, config)
+        print(markdown_table(result))
+    elif args.command == "demo":
+        demo(args.prompt, args.max_new_tokens, args.speculator, args.device)
+    elif args.command == "train":
+        from .training import train
+
+        config = _dataclass_from_args(TrainConfig, args)
+        train(config)
+        print(f"speculator written to {config.output_dir}/speculator")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

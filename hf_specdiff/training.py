@@ -1,0 +1,412 @@
+"""Training a speculator by self-distillation: the dFlash drafter, the xPress refiner and the Markov head together.
+
+One step, on a batch of (prompt + the target's own answer) sequences:
+
+    1. the frozen target reads the sequences once: context features (its `target_layer_ids` outputs) and its
+       next-token distribution p at every position
+    2. draw random anchors a in the answer; block j = [x_a, MASK x (B-1)] at positions a..a+B-1, attending to the
+       context features before a and to its own block only (all blocks of a sequence go in one drafter pass)
+    3. drafter loss ("anchor"): cross-entropy of slot k against x_{a+k}, weighted exp(-(k-1)/gamma)
+    4. xPress losses: teacher-forced pass (prev = the true tokens) with cross-entropy and total variation to p;
+       consistency pass with prev = the refiner's own picks (what Jacobi iterates on at inference)
+    5. Markov head: the same cross-entropy + total variation, on detached drafter logits (same drafter, fair baseline)
+
+Target embedding and lm_head are frozen (they are the target's). Built on `accelerate`: mixed precision, gradient
+accumulation and several GPUs need no code change; checkpoints resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .markov import markov_decode
+from .speculator import AutoSpeculator, Speculator
+from .xpress import jacobi_refine
+
+
+@dataclass
+class TrainConfig:
+    """Every training option, with its default (the CLI `hf-specdiff train` mirrors these fields)."""
+
+    data: list[str] = field(default_factory=list)  # JSONL files with prompt_ids and response_ids (distill output)
+    output_dir: str = "runs/speculator"
+    target: str | None = None  # a local folder or Hub id; None = the embedded SmolLM2-135M-Instruct
+    init_speculator: str | None = None  # continue from a saved speculator instead of a fresh one
+    block_size: int = 16  # B
+    num_draft_layers: int = 1
+    target_layer_ids: list[int] | None = None  # default: spread over the target's depth
+    mask_token_id: int | None = None  # default: last embedding row
+    refiner_rank: int = 256  # r of the xPress refiner and of the Markov head
+    init_from_target_layer: int | None = -1  # copy this target decoder layer into each draft layer (None: random)
+    max_seq_len: int = 384  # sequences are cut to this many tokens
+    anchors_per_sequence: int = 16
+    batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    max_steps: int = 2000
+    learning_rate: float = 6e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    gamma: float = 7.0  # position weight exp(-(k-1)/gamma)
+    ce_weight: float = 0.1  # refiner / Markov: cross-entropy to the data's token
+    tv_weight: float = 0.9  # refiner / Markov: total variation to the target's distribution
+    consistency_weight: float = 0.5  # refiner pass on its own picks
+    anchor_weight: float = 1.0  # drafter alone
+    mixed_precision: str = "no"  # "no", "bf16" or "fp16" (accelerate)
+    holdout_sequences: int = 16  # kept out of training to estimate acceptance
+    eval_every: int = 100
+    save_every: int = 100
+    seed: int = 0
+    log_file: str | None = None  # JSONL of step, losses and held-out tau; default <output_dir>/log.jsonl
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------------------
+
+
+def load_sequences(paths: list[str], vocab_size: int, max_seq_len: int, min_answer_tokens: int = 2) -> list[dict]:
+    """Read distill JSONL files into [{"ids": [...], "answer_start": int}], checking every row."""
+    if not paths:
+        raise ValueError("No training data: pass data files (JSONL with prompt_ids and response_ids).")
+    sequences = []
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise FileNotFoundError(f"Training data file {path} does not exist.")
+        with path.open() as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    prompt, answer = list(row["prompt_ids"]), list(row["response_ids"])
+                except (json.JSONDecodeError, KeyError, TypeError) as error:
+                    raise ValueError(
+                        f"{path}:{number} is not a distill row with `prompt_ids` and `response_ids` ({error})."
+                    ) from error
+                ids = (prompt + answer)[:max_seq_len]
+                if any(not 0 <= t < vocab_size for t in ids):
+                    raise ValueError(f"{path}:{number} has token ids outside the target's vocabulary ({vocab_size}).")
+                if len(ids) - len(prompt) >= min_answer_tokens:
+                    sequences.append({"ids": ids, "answer_start": len(prompt)})
+    if not sequences:
+        raise ValueError(f"No usable rows in {paths}: every row is empty or its answer is cut off by max_seq_len.")
+    return sequences
+
+
+def collate(rows: list[dict], pad_id: int):
+    length = max(len(r["ids"]) for r in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row["ids"])] = torch.tensor(row["ids"])
+        mask[i, : len(row["ids"])] = 1
+    return ids, mask, torch.tensor([r["answer_start"] for r in rows])
+
+
+def sample_anchors(lengths, answer_starts, count: int, generator: torch.Generator) -> torch.LongTensor:
+    """(b, count) anchor positions in [answer_start - 1, length - 2]: the anchor is the last prompt token or an
+    answer token, with at least one answer token after it. Drawn with replacement where a row is short."""
+    anchors = []
+    for length, start in zip(lengths.tolist(), answer_starts.tolist()):
+        low, high = max(start - 1, 0), length - 2
+        anchors.append(torch.randint(low, high + 1, (count,), generator=generator))
+    return torch.stack(anchors)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Losses
+# --------------------------------------------------------------------------------------------------------------
+
+
+def position_weights(block_size: int, gamma: float, device) -> torch.Tensor:
+    return torch.exp(-torch.arange(block_size - 1, device=device, dtype=torch.float32) / gamma)
+
+
+def weighted_ce(logits, labels, weights):
+    """logits (N, B-1, V), labels (N, B-1) with -100 ignored; weights (B-1,) per slot."""
+    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+    w = (weights[None].expand_as(labels) * (labels != -100)).flatten()
+    return (ce * w).sum() / w.sum().clamp(min=1e-6)
+
+
+def weighted_tv(logits, target_probs, labels, weights):
+    """Total variation 0.5 * sum |q - p| per slot; the quantity speculative sampling's acceptance depends on."""
+    tv = 0.5 * (logits.float().softmax(-1) - target_probs).abs().sum(-1)  # (N, B-1)
+    w = weights[None].expand_as(labels) * (labels != -100)
+    return (tv * w).sum() / w.sum().clamp(min=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One step
+# --------------------------------------------------------------------------------------------------------------
+
+
+class SpeculatorTrainer:
+    """Holds the frozen target and the trainable speculator; `losses(batch)` is one forward of everything."""
+
+    def __init__(self, target, speculator: Speculator, config: TrainConfig):
+        self.target = target.eval().requires_grad_(False)
+        self.speculator = speculator
+        self.config = config
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+
+    def target_pass(self, ids, mask):
+        """Context features (b, T, F) and the target's next-token distribution p (b, T, V)."""
+        with torch.no_grad():
+            out = self.target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+            features = self.speculator.drafter.context_features(out.hidden_states)
+            return features, out.logits.float().softmax(-1)
+
+    def draft_blocks(self, ids, mask, features, anchors):
+        """All blocks of a row in one drafter pass. Returns hidden (b, nA, B, H) and drafter logits (b, nA, B-1, V)."""
+        drafter, B = self.speculator.drafter, self.config.block_size
+        b, T = ids.shape
+        nA = anchors.shape[1]
+        device = ids.device
+        slots = torch.arange(B, device=device)
+        block_ids = torch.full((b, nA, B), drafter.config.mask_token_id, device=device)
+        block_ids[:, :, 0] = ids.gather(1, anchors)
+        block_positions = anchors[..., None] + slots  # (b, nA, B)
+        positions = torch.cat([torch.arange(T, device=device).expand(b, T), block_positions.flatten(1)], dim=1)
+        # Block j sees context strictly before its anchor (those tokens have target features) and its own slots.
+        sees_context = torch.arange(T, device=device)[None, None] < anchors[..., None]  # (b, nA, T)
+        sees_context = sees_context & mask[:, None].bool()
+        own_block = torch.eye(nA, dtype=torch.bool, device=device).repeat_interleave(B, 0).repeat_interleave(B, 1)
+        attend = torch.cat([sees_context.repeat_interleave(B, 1), own_block.expand(b, -1, -1)], dim=2)
+        hidden = drafter(
+            noise_embeds=self.embed(block_ids.flatten(1)),
+            context_hidden_states=features,
+            position_ids=positions,
+            attention_mask=attend[:, None],
+        ).last_hidden_state.view(b, nA, B, -1)
+        return hidden, self.lm_head(hidden[:, :, 1:])
+
+    def losses(self, ids, mask, answer_starts, generator) -> dict[str, torch.Tensor]:
+        c, B = self.config, self.config.block_size
+        features, target_probs = self.target_pass(ids, mask)
+        anchors = sample_anchors(mask.sum(1), answer_starts, c.anchors_per_sequence, generator).to(ids.device)
+        hidden, drafter_logits = self.draft_blocks(ids, mask, features, anchors)
+        b, nA = anchors.shape
+        V = drafter_logits.shape[-1]
+
+        # Labels x_{a+k}, k = 1..B-1 (-100 past the end), the target's p at a+k-1, and prev tokens x_{a-1..a+B-2}.
+        offsets = torch.arange(-1, B, device=ids.device)
+        where = anchors[..., None] + offsets  # (b, nA, B+1)
+        inside = (where >= 0) & (where < mask.sum(1)[:, None, None])
+        tokens = ids.gather(1, where.clamp(0, ids.shape[1] - 1).flatten(1)).view(b, nA, B + 1)
+        labels = tokens[..., 2:].masked_fill(~inside[..., 2:], -100).flatten(0, 1)  # (N, B-1)
+        prev_true = tokens[..., :B].masked_fill(~inside[..., :B], 0).flatten(0, 1)  # (N, B)
+        p_index = where[..., 1:B].clamp(0, ids.shape[1] - 1).flatten(1)  # positions a..a+B-2
+        p = target_probs.gather(1, p_index[..., None].expand(-1, -1, V)).view(b * nA, B - 1, V)
+        weights = position_weights(B, c.gamma, ids.device)
+        drafter_logits = drafter_logits.flatten(0, 1)
+        hidden = hidden.flatten(0, 1)
+
+        losses = {"drafter_ce": weighted_ce(drafter_logits, labels, weights)}
+        total = c.anchor_weight * losses["drafter_ce"]
+        refiner = self.speculator.refiner
+        if refiner is not None:
+            context = refiner.block_context(hidden)
+            refined = drafter_logits + refiner(context, prev_true)
+            losses["xpress_ce"] = weighted_ce(refined, labels, weights)
+            losses["xpress_tv"] = weighted_tv(refined, p, labels, weights)
+            own = refined.detach().argmax(-1)
+            prev_own = torch.cat([prev_true[:, :2], own[:, :-1]], dim=1)
+            refined_own = drafter_logits + refiner(context, prev_own)
+            losses["xpress_consistency"] = c.ce_weight * weighted_ce(refined_own, labels, weights) + \
+                c.tv_weight * weighted_tv(refined_own, p, labels, weights)
+            total = total + c.ce_weight * losses["xpress_ce"] + c.tv_weight * losses["xpress_tv"] + \
+                c.consistency_weight * losses["xpress_consistency"]
+        markov = self.speculator.markov_head
+        if markov is not None:
+            markov_logits = drafter_logits.detach() + markov(prev_true[:, 1:])
+            losses["markov_ce"] = weighted_ce(markov_logits, labels, weights)
+            losses["markov_tv"] = weighted_tv(markov_logits, p, labels, weights)
+            total = total + c.ce_weight * losses["markov_ce"] + c.tv_weight * losses["markov_tv"]
+        losses["loss"] = total
+        return losses
+
+    @torch.no_grad()
+    def estimate_tau(self, ids, mask, answer_starts, generator, num_jacobi_passes: int | None = None) -> dict:
+        """Expected accepted length per block (bonus included) against the data's own continuation, greedy:
+        1 + the number of leading draft tokens equal to the data, averaged over random anchors."""
+        B = self.config.block_size
+        features, _ = self.target_pass(ids, mask)
+        anchors = sample_anchors(mask.sum(1), answer_starts, self.config.anchors_per_sequence, generator).to(ids.device)
+        hidden, drafter_logits = self.draft_blocks(ids, mask, features, anchors)
+        b, nA = anchors.shape
+        where = anchors[..., None] + torch.arange(-1, B, device=ids.device)
+        inside = (where >= 0) & (where < mask.sum(1)[:, None, None])
+        tokens = ids.gather(1, where.clamp(0, ids.shape[1] - 1).flatten(1)).view(b, nA, B + 1).flatten(0, 1)
+        truth, valid = tokens[:, 2:], inside[..., 2:].flatten(0, 1)
+        drafter_logits, hidden = drafter_logits.flatten(0, 1).float(), hidden.flatten(0, 1)
+
+        def greedy(logits, assumed=None):
+            return logits.argmax(-1), logits
+
+        def tau(drafts):
+            run = ((drafts == truth) & valid).int().cumprod(dim=1).sum(dim=1)
+            return float((1 + run.float()).mean())
+
+        estimates = {"dflash": tau(drafter_logits.argmax(-1))}
+        if self.speculator.refiner is not None:
+            passes = num_jacobi_passes or self.speculator.refiner.config.num_jacobi_passes
+            drafts, _, _ = jacobi_refine(self.speculator.refiner, drafter_logits, hidden, tokens[:, :2], greedy, passes)
+            estimates["xpress"] = tau(drafts)
+        if self.speculator.markov_head is not None:
+            drafts, _ = markov_decode(self.speculator.markov_head, drafter_logits, tokens[:, 1],
+                                      lambda logits, slot, earlier: (logits.argmax(-1), logits))
+            estimates["markov"] = tau(drafts)
+        return estimates
+
+
+def init_draft_layers_from_target(speculator: Speculator, target, layer: int) -> None:
+    """Copy a target decoder layer into every draft layer (attention, MLP, norms) and the target's final norm into
+    the drafter's: a warm start whose output already reads like the target's last hidden state (with tied
+    embeddings, a random start predicts its own input token with huge confidence: initial CE ~85 vs ~14 here).
+    q_norm/k_norm (absent in Llama) stay at identity."""
+    decoder = target.get_decoder()
+    source = decoder.layers[layer].state_dict()
+    for draft_layer in speculator.drafter.layers:
+        own = draft_layer.state_dict()
+        copied = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
+        draft_layer.load_state_dict(copied, strict=False)
+    if getattr(decoder, "norm", None) is not None:
+        speculator.drafter.norm.load_state_dict(decoder.norm.state_dict())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------------------
+
+
+def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = True) -> Speculator:
+    """Train (or resume) a speculator for `target`; returns it and writes `output_dir/speculator` and checkpoints."""
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    output_dir = Path(config.output_dir)
+    accelerator = Accelerator(mixed_precision=config.mixed_precision,
+                              gradient_accumulation_steps=config.gradient_accumulation_steps)
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+
+    # Everything that can be wrong is checked before the first step.
+    if target is None:
+        target = _load_target(config.target)
+    vocab_size = target.get_input_embeddings().weight.shape[0]
+    sequences = load_sequences(config.data, vocab_size, config.max_seq_len)
+    if len(sequences) <= config.holdout_sequences:
+        raise ValueError(f"Only {len(sequences)} usable rows: need more than holdout_sequences={config.holdout_sequences}.")
+    random.Random(config.seed).shuffle(sequences)
+    holdout, sequences = sequences[: config.holdout_sequences], sequences[config.holdout_sequences :]
+    if config.init_speculator:
+        speculator = AutoSpeculator.from_pretrained(config.init_speculator)
+    else:
+        speculator = AutoSpeculator.from_target(
+            target, block_size=config.block_size, num_draft_layers=config.num_draft_layers,
+            mask_token_id=config.mask_token_id, target_layer_ids=config.target_layer_ids,
+            refiner_rank=config.refiner_rank, seed=config.seed,
+        )
+        if config.init_from_target_layer is not None:
+            init_draft_layers_from_target(speculator, target, config.init_from_target_layer)
+    speculator = speculator.to(device=accelerator.device, dtype=torch.float32)
+    target = target.to(accelerator.device)
+    speculator.check_compatible(target, placement=False)
+    pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+
+    trainer = SpeculatorTrainer(target, speculator, config)
+    optimizer = torch.optim.AdamW(speculator.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+
+    def schedule(step):  # linear warm-up, cosine decay to 10%
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        progress_ = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress_))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    speculator, optimizer, scheduler = accelerator.prepare(speculator, optimizer, scheduler)
+    trainer.speculator = accelerator.unwrap_model(speculator)
+
+    step = 0
+    checkpoints = output_dir / "checkpoints"
+    if (latest := _latest_checkpoint(checkpoints)) is not None:
+        accelerator.load_state(str(latest))
+        step = int(latest.name.split("-")[-1])
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    log_path = Path(config.log_file) if config.log_file else output_dir / "log.jsonl"
+
+    holdout_batch = collate(holdout, pad_id)
+    order = random.Random(config.seed + 1)
+    bar = tqdm(total=config.max_steps, initial=step, desc="train", disable=not progress or not accelerator.is_main_process)
+    estimate = {}
+    while step < config.max_steps:
+        speculator.train()
+        for _ in range(config.gradient_accumulation_steps):
+            with accelerator.accumulate(speculator):
+                rows = [sequences[order.randrange(len(sequences))] for _ in range(config.batch_size)]
+                ids, mask, starts = (t.to(accelerator.device) for t in collate(rows, pad_id))
+                generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+                with accelerator.autocast():
+                    losses = trainer.losses(ids, mask, starts, generator)
+                accelerator.backward(losses["loss"])
+                accelerator.clip_grad_norm_(speculator.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        step += 1
+        record = {"step": step, "lr": scheduler.get_last_lr()[0], **{k: float(v.detach()) for k, v in losses.items()}}
+        if step % config.eval_every == 0 or step == config.max_steps:
+            speculator.eval()
+            ids, mask, starts = (t.to(accelerator.device) for t in holdout_batch)
+            estimate = trainer.estimate_tau(ids, mask, starts, torch.Generator().manual_seed(config.seed))
+            record.update({f"tau_{k}": v for k, v in estimate.items()})
+        if accelerator.is_main_process:
+            with log_path.open("a") as log:
+                log.write(json.dumps(record) + "\n")
+        bar.set_postfix(loss=f"{record['loss']:.3f}", **{f"tau_{k}": f"{v:.2f}" for k, v in estimate.items()})
+        bar.update(1)
+        if step % config.save_every == 0 or step == config.max_steps:
+            accelerator.wait_for_everyone()
+            accelerator.save_state(str(checkpoints / f"checkpoint-{step}"))
+            _prune_checkpoints(checkpoints, keep=2)
+            if accelerator.is_main_process:
+                accelerator.unwrap_model(speculator).save_pretrained(output_dir / "speculator")
+    bar.close()
+    return accelerator.unwrap_model(speculator).eval()
+
+
+def _load_target(path: str | None):
+    from transformers import AutoModelForCausalLM
+
+    if path is None:
+        from .embedded import load_default_target
+
+        return load_default_target()[0]
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def _latest_checkpoint(folder: Path) -> Path | None:
+    found = sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1])) if folder.is_dir() else []
+    return found[-1] if found else None
+
+
+def _prune_checkpoints(folder: Path, keep: int) -> None:
+    import shutil
+
+    found = sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+    for old in found[:-keep]:
+        shutil.rmtree(old)

@@ -1,0 +1,93 @@
+"""Training mechanics on a tiny target: the loss goes down, checkpoints resume, bad inputs fail before any work."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from conftest import VOCAB, make_successor_target
+
+from hf_specdiff import AutoSpeculator
+from hf_specdiff.training import TrainConfig, train
+
+
+def write_distill(path, target, rows=24, seed=0):
+    """The target's own greedy answers to random prompts, in the distill JSONL format."""
+    generator = torch.Generator().manual_seed(seed)
+    with path.open("w") as out:
+        for i in range(rows):
+            prompt = torch.randint(1, VOCAB, (1, int(torch.randint(3, 12, (1,), generator=generator))), generator=generator)
+            answer = target.generate(prompt, do_sample=False, max_new_tokens=40)[0, prompt.shape[1]:]
+            out.write(json.dumps({"id": i, "prompt_ids": prompt[0].tolist(), "response_ids": answer.tolist()}) + "\n")
+    return path
+
+
+def tiny_config(tmp_path, data, **overrides):
+    values = dict(data=[str(data)], output_dir=str(tmp_path / "run"), block_size=8, num_draft_layers=1,
+                  refiner_rank=32, max_seq_len=64, anchors_per_sequence=6, batch_size=4, max_steps=80,
+                  learning_rate=3e-3, warmup_steps=5, holdout_sequences=4, eval_every=20, save_every=20)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def target():
+    # structured greedy answers (mostly t -> t + 1, bent by context): learnable, unlike a random model's
+    return make_successor_target(dtype=torch.float32, seed=3)
+
+
+def test_loss_goes_down_and_artifact_loads(tmp_path, target):
+    data = write_distill(tmp_path / "distill.jsonl", target)
+    config = tiny_config(tmp_path, data)
+    speculator = train(config, target=target, progress=False)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").open()]
+    assert len(log) == 80
+    first = sum(r["loss"] for r in log[:5]) / 5
+    last = sum(r["loss"] for r in log[-5:]) / 5
+    assert last < 0.6 * first, (first, last)
+    for key in ("drafter_ce", "xpress_tv", "xpress_consistency", "markov_tv"):
+        assert log[-1][key] < log[0][key], key
+    assert {"tau_dflash", "tau_xpress", "tau_markov"} <= set(log[-1])
+    loaded = AutoSpeculator.from_pretrained(tmp_path / "run" / "speculator")
+    for name in ("drafter", "refiner", "markov_head"):
+        for key, value in getattr(speculator, name).state_dict().items():
+            assert torch.equal(value, getattr(loaded, name).state_dict()[key])
+
+
+def test_resume_continues_from_the_last_checkpoint(tmp_path, target):
+    data = write_distill(tmp_path / "distill.jsonl", target, rows=12)
+    train(tiny_config(tmp_path, data, max_steps=20, save_every=20), target=target, progress=False)
+    train(tiny_config(tmp_path, data, max_steps=30, eval_every=10, save_every=10), target=target, progress=False)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "log.jsonl").open()]
+    assert steps == list(range(1, 31))
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["checkpoint-20", "checkpoint-30"]
+
+
+def test_bad_inputs_fail_before_training(tmp_path, target):
+    with pytest.raises(ValueError, match="No training data"):
+        train(dataclasses.replace(tiny_config(tmp_path, "x"), data=[]), target=target, progress=False)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        train(tiny_config(tmp_path, tmp_path / "missing.jsonl"), target=target, progress=False)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="No usable rows"):
+        train(tiny_config(tmp_path, empty), target=target, progress=False)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt_ids": [1, 2]}\n')
+    with pytest.raises(ValueError, match="broken.jsonl:1 is not a distill row"):
+        train(tiny_config(tmp_path, broken), target=target, progress=False)
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 999, 4]}) + "\n")
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        train(tiny_config(tmp_path, outside), target=target, progress=False)
+
+
+def test_unsupported_target_fails_before_training(tmp_path, target):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    data = write_distill(tmp_path / "distill.jsonl", target, rows=8)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="Llama / Qwen2 / Qwen3"):
+        train(tiny_config(tmp_path, data, holdout_sequences=2), target=gpt2, progress=False)
