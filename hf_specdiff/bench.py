@@ -37,7 +37,7 @@ class BenchConfig:
     data_dir: str | None = None  # folder holding the benchmark JSONL files; default: $HF_SPECDIFF_DATA or shared/data
     limit: int = 10  # prompts per dataset
     seed: int = 0  # order in which prompts are drawn
-    methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "xpress", "markov"])
+    methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "xpress", "markov"])  # + dflash_hf, prompt_lookup
     jacobi_passes: list[int] = field(default_factory=lambda: [4])  # K values for xpress
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0: greedy (losslessness checked per token)
@@ -48,6 +48,7 @@ class BenchConfig:
     tie_tolerance: float = 1e-3  # logit gap under which a greedy divergence counts as a floating-point near-tie
     json: str | None = None  # write the full results here
     markdown: str | None = None  # write the table here
+    plots: str | None = None  # write PNG plots (speedup, accepted lengths, acceptance by position) to this folder
 
 
 def find_data_dir(explicit: str | None) -> Path:
@@ -102,21 +103,27 @@ def _question(dataset: str, row: dict) -> str:
     return row["turns"][0]  # mt_bench
 
 
-def _method_runs(config: BenchConfig) -> list[tuple[str, dict]]:
+def _method_runs(config: BenchConfig, speculator) -> list[tuple[str, dict]]:
+    """(name, extra generate kwargs) per measured method; plain generate ("ar") always comes first."""
     runs = []
     for method in config.methods:
         if method == "xpress":
             runs += [(f"xpress_k{k}" if len(config.jacobi_passes) > 1 else "xpress",
-                      dict(speculation="xpress", num_jacobi_passes=k)) for k in config.jacobi_passes]
+                      dict(assistant_model=speculator, speculation="xpress", num_jacobi_passes=k))
+                     for k in config.jacobi_passes]
         elif method in ("dflash", "markov"):
-            runs.append((method, dict(speculation=method)))
+            runs.append((method, dict(assistant_model=speculator, speculation=method)))
+        elif method == "dflash_hf":  # transformers' own dFlash candidate generator driving our drafter
+            runs.append((method, dict(assistant_model=speculator, speculation_type="dflash")))
+        elif method == "prompt_lookup":  # transformers' n-gram lookup in the prompt
+            runs.append((method, dict(prompt_lookup_num_tokens=10)))
         elif method == "ar":
             runs.append(("ar", {}))
         else:
-            raise ValueError(f"Unknown method {method!r}; this version measures ar, dflash, xpress and markov.")
-    if not runs or runs[0][0] != "ar":
-        runs = [("ar", {})] + [r for r in runs if r[0] != "ar"]  # every ratio is relative to plain generate
-    return runs
+            raise ValueError(
+                f"Unknown method {method!r}; choose from ar, dflash, xpress, markov, dflash_hf, prompt_lookup."
+            )
+    return [("ar", {})] + [r for r in runs if r[0] != "ar"]  # every ratio is relative to plain generate
 
 
 def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None, progress: bool = True) -> dict:
@@ -139,7 +146,7 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
         speculator = hf_specdiff.AutoSpeculator.from_pretrained(path)
     speculator = speculator.to(device=config.device, dtype=dtype)
     prompts = load_prompts(config)
-    runs = _method_runs(config)
+    runs = _method_runs(config, speculator)
     sampling = config.temperature > 0
     common = dict(max_new_tokens=config.max_new_tokens, do_sample=sampling, return_dict_in_generate=True)
     if sampling:
@@ -147,8 +154,7 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
     else:
         common.update(output_scores=True)
 
-    def generate(inputs, kwargs):
-        extra = dict(assistant_model=speculator, **kwargs) if kwargs else {}
+    def generate(inputs, extra):
         if config.device.startswith("cuda"):
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -177,11 +183,14 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
                       "new_tokens": out.sequences.shape[1] - prompt_length}
             if name == "ar":
                 reference = out
-            else:
+                records.append(record)
+                bar.update(1)
+                continue
+            if getattr(out, "speculation", None) is not None:  # transformers' own methods report no statistics
                 record["stats"] = out.speculation.to_dict()
                 record["accepted_at_position"] = out.speculation.accepted_at_position()
-                if not sampling:
-                    record.update(_lossless_check(reference, out, prompt_length, config.tie_tolerance))
+            if not sampling:
+                record.update(_lossless_check(reference, out, prompt_length, config.tie_tolerance))
             records.append(record)
             bar.update(1)
     bar.close()
@@ -217,7 +226,10 @@ def summarize(records: list[dict], runs: list[str]) -> dict:
                  "tokens_per_s": tokens / seconds if seconds else 0.0}
         if name == "ar":
             ar_speed = entry["tokens_per_s"]
-        else:
+        if rows and "mismatch" in rows[0]:
+            entry["lossless_mismatches"] = sum(r["mismatch"] for r in rows)
+            entry["unexplained_mismatches"] = sum(r["unexplained_mismatch"] for r in rows)
+        if rows and "stats" in rows[0]:
             stats = [r["stats"] for r in rows]
             steps = sum(len(s["accepted_lengths"]) for s in stats)
             entry["tau"] = sum(sum(s["accepted_lengths"]) for s in stats) / max(steps, 1)
@@ -228,9 +240,6 @@ def summarize(records: list[dict], runs: list[str]) -> dict:
             for phase in ("draft", "refine", "verify"):
                 entry[f"{phase}_ms"] = 1000 * sum(s[f"{phase}_seconds"] for s in stats) / max(steps, 1)
             entry["target_forwards"] = sum(s["target_forwards"] for s in stats)
-            if "mismatch" in rows[0]:
-                entry["lossless_mismatches"] = sum(r["mismatch"] for r in rows)
-                entry["unexplained_mismatches"] = sum(r["unexplained_mismatch"] for r in rows)
         summary[name] = entry
     for entry in summary.values():
         entry["speedup_vs_ar"] = entry["tokens_per_s"] / ar_speed if ar_speed else None
@@ -263,8 +272,10 @@ def markdown_table(result: dict) -> str:
                 lines.append(f"| {dataset} | ar | 1.00 | {e['tokens_per_s']:.1f} | 1.00 | | | | |")
                 continue
             mism = f"{e.get('lossless_mismatches', '-')} ({e.get('unexplained_mismatches', '-')})"
-            lines.append(f"| {dataset} | {name} | {e['tau']:.2f} | {e['tokens_per_s']:.1f} | {e['speedup_vs_ar']:.2f} | "
-                         f"{e['draft_ms']:.1f} | {e['refine_ms']:.1f} | {e['verify_ms']:.1f} | {mism} |")
+            tau = f"{e['tau']:.2f}" if "tau" in e else "-"
+            phases = " | ".join(f"{e[f'{p}_ms']:.1f}" if f"{p}_ms" in e else "-" for p in ("draft", "refine", "verify"))
+            lines.append(f"| {dataset} | {name} | {tau} | {e['tokens_per_s']:.1f} | {e['speedup_vs_ar']:.2f} | "
+                         f"{phases} | {mism} |")
     env = result["environment"]
     lines.append("")
     lines.append(f"{env['device_name']} ({env['device']}), {env['dtype']}, torch {env['torch']}, "
@@ -279,3 +290,58 @@ def write_outputs(result: dict, config: BenchConfig) -> None:
         Path(config.json).write_text(json.dumps(result, indent=1))
     if config.markdown:
         Path(config.markdown).write_text(markdown_table(result) + "\n")
+    if config.plots:
+        plot_results(result, config.plots)
+
+
+def plot_results(result: dict, folder: str | Path) -> list[Path]:
+    """speedup.png (tokens/s over plain generate, per dataset), accepted_lengths.png (histogram of tokens per
+    verify step), acceptance_by_position.png (P(draft at block position i accepted | offered))."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    methods = [m for m in result["runs"] if m != "ar"]
+    with_stats = [m for m in methods if "tau" in result["summary"][m]]
+    datasets = list(result["by_dataset"])
+    written = []
+
+    fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(datasets) * max(len(methods), 1) / 2, 3.5))
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        values = [result["by_dataset"][d][method]["speedup_vs_ar"] for d in datasets]
+        ax.bar([x + i * width for x in range(len(datasets))], values, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(datasets))], datasets)
+    ax.set_ylabel("tokens/s vs plain generate")
+    ax.legend(fontsize=8)
+    written.append(folder / "speedup.png")
+
+    fig2, ax2 = plt.subplots(figsize=(5, 3.5))
+    for method in with_stats:
+        lengths = [n for r in result["records"] if r["method"] == method for n in r["stats"]["accepted_lengths"]]
+        if lengths:
+            ax2.hist(lengths, bins=range(1, max(lengths) + 2), alpha=0.5, label=method, density=True, align="left")
+    ax2.set_xlabel("tokens per verify step (bonus included)")
+    ax2.set_ylabel("fraction of steps")
+    ax2.legend(fontsize=8)
+    written.append(folder / "accepted_lengths.png")
+
+    fig3, ax3 = plt.subplots(figsize=(5, 3.5))
+    for method in with_stats:
+        rates = result["summary"][method]["accept_rate_by_position"]
+        ax3.plot(range(1, len(rates) + 1), rates, marker="o", markersize=3, label=method)
+    ax3.set_xlabel("draft position in block")
+    ax3.set_ylabel("accepted | offered")
+    ax3.set_ylim(0, 1)
+    ax3.legend(fontsize=8)
+    written.append(folder / "acceptance_by_position.png")
+
+    for figure, path in zip((fig, fig2, fig3), written):
+        figure.tight_layout()
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+    return written

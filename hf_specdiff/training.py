@@ -350,16 +350,19 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
     log_path = Path(config.log_file) if config.log_file else output_dir / "log.jsonl"
 
     holdout_batch = collate(holdout, pad_id)
-    order = random.Random(config.seed + 1)
     bar = tqdm(total=config.max_steps, initial=step, desc="train", disable=not progress or not accelerator.is_main_process)
     estimate = {}
     while step < config.max_steps:
         speculator.train()
-        for _ in range(config.gradient_accumulation_steps):
+        for micro_step in range(config.gradient_accumulation_steps):
             with accelerator.accumulate(speculator):
+                # seeded by (step, micro-step, process): a resumed run draws exactly the batches and anchors an
+                # uninterrupted one would, and each GPU draws its own
+                draw_seed = ((config.seed * 1_000_003 + step) * 1_009 + micro_step) * 101 + accelerator.process_index
+                order = random.Random(draw_seed)
                 rows = [sequences[order.randrange(len(sequences))] for _ in range(config.batch_size)]
                 ids, mask, starts = (t.to(accelerator.device) for t in collate(rows, pad_id))
-                generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+                generator = torch.Generator().manual_seed(draw_seed)
                 with accelerator.autocast():
                     losses = trainer.losses(ids, mask, starts, generator)
                 accelerator.backward(losses["loss"])

@@ -24,10 +24,11 @@ def test_bench_reports_every_method_side_by_side(tmp_path, smollm):
         + json.dumps({"messages": [{"role": "user", "content": "Name three primary colours."}]}) + "\n"
     )
     config = BenchConfig(prompts=str(prompts), limit=0, max_new_tokens=12, jacobi_passes=[1, 4], device="cpu",
-                         json=str(tmp_path / "out.json"), markdown=str(tmp_path / "out.md"))
+                         methods=["ar", "dflash", "xpress", "markov", "dflash_hf", "prompt_lookup"],
+                         json=str(tmp_path / "out.json"), markdown=str(tmp_path / "out.md"), plots=str(tmp_path / "plots"))
     result = run_bench(config, target=target, tokenizer=tokenizer, speculator=speculator, progress=False)
     write_outputs(result, config)
-    assert result["runs"] == ["ar", "dflash", "xpress_k1", "xpress_k4", "markov"]
+    assert result["runs"] == ["ar", "dflash", "xpress_k1", "xpress_k4", "markov", "dflash_hf", "prompt_lookup"]
     summary = json.loads((tmp_path / "out.json").read_text())["summary"]
     for name in ("dflash", "xpress_k1", "xpress_k4", "markov"):
         entry = summary[name]
@@ -37,8 +38,12 @@ def test_bench_reports_every_method_side_by_side(tmp_path, smollm):
         assert entry["unexplained_mismatches"] == 0
         assert len(entry["tau_per_sample"]) == 2 and entry["tau"] >= 1.0
     assert summary["ar"]["speedup_vs_ar"] == 1.0
+    for name in ("dflash_hf", "prompt_lookup"):  # transformers' own methods: speed and losslessness only
+        assert summary[name]["unexplained_mismatches"] == 0 and summary[name]["tokens_per_s"] > 0
     assert "| custom | xpress_k4 |" in (tmp_path / "out.md").read_text()
     assert result["environment"]["device"] == "cpu"
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "acceptance_by_position.png", "accepted_lengths.png", "speedup.png"]
 
 
 def test_benchmark_sets_load_in_seeded_order():

