@@ -90,3 +90,16 @@ def test_sampling_runs_with_warpers_and_is_seeded(smollm):
     torch.manual_seed(7)
     second = target.generate(**inputs, **kwargs)
     assert torch.equal(first, second)
+
+
+def test_shipped_speculator_loads_and_is_lossless(smollm):
+    target, tokenizer, _ = smollm
+    shipped = AutoSpeculator.from_pretrained(hf_specdiff.default_speculator_path()).to(target.dtype)
+    assert shipped.refiner is not None and shipped.markov_head is not None
+    shipped.check_compatible(target, "xpress")
+    inputs = chat(tokenizer, questions(1)[0])
+    kwargs = dict(do_sample=False, max_new_tokens=32, return_dict_in_generate=True, output_scores=True)
+    plain = target.generate(**inputs, **kwargs)
+    for method in ("xpress", "dflash", "markov"):
+        spec = target.generate(**inputs, assistant_model=shipped, speculation=method, **kwargs)
+        assert_greedy_equivalent(plain, spec, inputs["input_ids"].shape[1])
