@@ -215,8 +215,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         synchronize(self.device)
         start = time.perf_counter()
         length = input_ids.shape[1]
-        num_new = self.cache.get_seq_length()  # context already cached
-        num_new = length - 1 - num_new
+        num_new = length - 1 - self.cache.get_seq_length()  # verified tokens whose features are not cached yet
         features = self.drafter.context_features(model_outputs.hidden_states, num_new).to(self.device)
         block_ids = torch.full((input_ids.shape[0], self.block_size), self.mask_token_id, device=input_ids.device)
         block_ids[:, 0] = input_ids[:, -1]
