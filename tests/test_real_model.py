@@ -72,11 +72,15 @@ def test_greedy_equivalence_on_real_prompts(smollm, method):
 def test_stop_strings_with_tokenizer(smollm):
     target, tokenizer, speculator = smollm
     inputs = chat(tokenizer, questions(1)[0])
-    kwargs = dict(do_sample=False, max_new_tokens=60, stop_strings=["eggs per day"], tokenizer=tokenizer)
+    start = inputs["input_ids"].shape[1]
+    free = target.generate(**inputs, do_sample=False, max_new_tokens=60)
+    # a word that the answer reaches after a dozen tokens: generation must stop right there, inside a block
+    stop = tokenizer.decode(free[0, start : start + 12], skip_special_tokens=True).split()[-1]
+    kwargs = dict(do_sample=False, max_new_tokens=60, stop_strings=[stop], tokenizer=tokenizer)
     plain = target.generate(**inputs, **kwargs)
     spec = target.generate(**inputs, assistant_model=speculator, speculation="xpress", **kwargs)
-    text = tokenizer.decode(plain[0, inputs["input_ids"].shape[1]:])
-    assert text.endswith("eggs per day"), text
+    text = tokenizer.decode(plain[0, start:])
+    assert text.endswith(stop) and plain.shape[1] < free.shape[1], text
     assert torch.equal(spec, plain)
 
 
