@@ -126,6 +126,17 @@ def _method_runs(config: BenchConfig, speculator) -> list[tuple[str, dict]]:
     return [("ar", {})] + [r for r in runs if r[0] != "ar"]  # every ratio is relative to plain generate
 
 
+def timed_generate(model, **kwargs):
+    """`model.generate(**kwargs)` and its wall time in seconds, device work included."""
+    from .candidates import synchronize
+
+    synchronize(model.device)
+    start = time.perf_counter()
+    out = model.generate(**kwargs)
+    synchronize(model.device)
+    return out, time.perf_counter() - start
+
+
 def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
@@ -155,13 +166,7 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
         common.update(output_scores=True)
 
     def generate(inputs, extra):
-        if config.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = target.generate(**inputs, **common, **extra)
-        if config.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        return out, time.perf_counter() - start
+        return timed_generate(target, **inputs, **common, **extra)
 
     encoded = [
         (dataset, tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",

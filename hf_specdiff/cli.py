@@ -55,12 +55,12 @@ def _cuda() -> bool:
 
 def demo(prompt: str, max_new_tokens: int, speculator_path: str | None, device: str) -> None:
     """The embedded target and its shipped speculator: stream an answer, then compare methods (greedy)."""
-    import time
-
     import torch
     from transformers import TextStreamer
 
     import hf_specdiff
+
+    from .bench import timed_generate
 
     print("Loading SmolLM2-135M-Instruct (embedded; the first run dequantizes it once) ...", flush=True)
     target, tokenizer = hf_specdiff.load_default_target(device=device)
@@ -77,14 +77,8 @@ def demo(prompt: str, max_new_tokens: int, speculator_path: str | None, device: 
     for method in (None, "dflash", "xpress"):
         kwargs = dict(assistant_model=speculator, speculation=method) if method else {}
         target.generate(**inputs, max_new_tokens=8, do_sample=False, **kwargs)  # warm-up
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                              return_dict_in_generate=True, **kwargs)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        out, seconds = timed_generate(target, **inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                      return_dict_in_generate=True, **kwargs)
         new = out.sequences.shape[1] - inputs["input_ids"].shape[1]
         reference = out.sequences if reference is None else reference
         tau = out.speculation.tau if method else 1.0

@@ -62,7 +62,8 @@ def default_target_path(cache_dir: str | os.PathLike | None = None) -> Path:
     tmp = folder.with_name(folder.name + ".partial")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.replace(folder) if not folder.exists() else None
+    if not folder.exists():  # another process may have finished first; its copy is as good as ours
+        tmp.replace(folder)
     return folder
 
 

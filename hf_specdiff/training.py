@@ -124,6 +124,15 @@ def sample_anchors(lengths, answer_starts, count: int, generator: torch.Generato
     return torch.stack(anchors)
 
 
+def block_windows(ids, mask, anchors, block_size: int):
+    """For each anchor a, positions a-1 .. a+B-1 (b, nA, B+1), whether each lies inside its row, and the tokens
+    there (clamped reads outside; use `inside` to ignore them)."""
+    where = anchors[..., None] + torch.arange(-1, block_size, device=ids.device)
+    inside = (where >= 0) & (where < mask.sum(1)[:, None, None])
+    tokens = ids.gather(1, where.clamp(0, ids.shape[1] - 1).flatten(1)).view(where.shape)
+    return where, inside, tokens
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Losses
 # --------------------------------------------------------------------------------------------------------------
@@ -202,10 +211,7 @@ class SpeculatorTrainer:
         V = drafter_logits.shape[-1]
 
         # Labels x_{a+k}, k = 1..B-1 (-100 past the end), the target's p at a+k-1, and prev tokens x_{a-1..a+B-2}.
-        offsets = torch.arange(-1, B, device=ids.device)
-        where = anchors[..., None] + offsets  # (b, nA, B+1)
-        inside = (where >= 0) & (where < mask.sum(1)[:, None, None])
-        tokens = ids.gather(1, where.clamp(0, ids.shape[1] - 1).flatten(1)).view(b, nA, B + 1)
+        where, inside, tokens = block_windows(ids, mask, anchors, B)
         labels = tokens[..., 2:].masked_fill(~inside[..., 2:], -100).flatten(0, 1)  # (N, B-1)
         prev_true = tokens[..., :B].masked_fill(~inside[..., :B], 0).flatten(0, 1)  # (N, B)
         p_index = where[..., 1:B].clamp(0, ids.shape[1] - 1).flatten(1)  # positions a..a+B-2
@@ -246,10 +252,8 @@ class SpeculatorTrainer:
         features, _ = self.target_pass(ids, mask)
         anchors = sample_anchors(mask.sum(1), answer_starts, self.config.anchors_per_sequence, generator).to(ids.device)
         hidden, drafter_logits = self.draft_blocks(ids, mask, features, anchors)
-        b, nA = anchors.shape
-        where = anchors[..., None] + torch.arange(-1, B, device=ids.device)
-        inside = (where >= 0) & (where < mask.sum(1)[:, None, None])
-        tokens = ids.gather(1, where.clamp(0, ids.shape[1] - 1).flatten(1)).view(b, nA, B + 1).flatten(0, 1)
+        _, inside, tokens = block_windows(ids, mask, anchors, B)
+        tokens = tokens.flatten(0, 1)
         truth, valid = tokens[:, 2:], inside[..., 2:].flatten(0, 1)
         drafter_logits, hidden = drafter_logits.flatten(0, 1).float(), hidden.flatten(0, 1)
 
