@@ -322,11 +322,19 @@ def _speculative_generate(model, *args, speculation=None, assistant_model=None, 
 def enable(model):
     """Let `model.generate` take `speculation=...` (this model only; other models and the class are untouched).
 
+    For a masked diffusion LM (`hf_specdiff.diffusion.DiffusionLM` or `DiffusionAdapter`), `generate` becomes the
+    library's diffusion decoding, with `speculation=None | "spiffy"`.
+
     Returns the model. Undo with `disable(model)`.
     """
     from transformers import GenerationMixin, PreTrainedModel
 
     _compat.check_transformers_version()
+    if _is_diffusion_lm(model):
+        from .diffusion.decoding import diffusion_lm_generate
+
+        model.generate = types.MethodType(diffusion_lm_generate, model)
+        return model
     if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
         raise TypeError(
             f"hf_specdiff.enable expects a transformers causal LM (PreTrainedModel with generate), got "
@@ -340,6 +348,13 @@ def enable(model):
     return model
 
 
+def _is_diffusion_lm(model) -> bool:
+    from .diffusion.adapter import DiffusionAdapter
+    from .diffusion.modeling import DiffusionLM
+
+    return isinstance(model, (DiffusionLM, DiffusionAdapter))
+
+
 def disable(model):
     """Undo `enable(model)`."""
     if is_enabled(model):
@@ -348,5 +363,7 @@ def disable(model):
 
 
 def is_enabled(model) -> bool:
+    from .diffusion.decoding import diffusion_lm_generate
+
     bound = model.__dict__.get("generate")
-    return getattr(bound, "__func__", None) is _speculative_generate
+    return getattr(bound, "__func__", None) in (_speculative_generate, diffusion_lm_generate)

@@ -1,0 +1,290 @@
+"""Diffusion decoding and Spiffy on tiny float64 models: lossless in exact modes, draft logits equal separate
+forwards, batched equals row by row, reference behaviour, graph artifacts and error paths."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_target
+
+import hf_specdiff
+from hf_specdiff.diffusion.adapter import DiffusionAdapter
+from hf_specdiff.diffusion.decoding import (
+    Canvas,
+    DiffusionGenerationConfig,
+    Unmasker,
+    diffusion_generate,
+    transfer_schedule,
+)
+from hf_specdiff.spiffy import DraftGraph, TrajectoryRecorder, calibrate, propose_drafts
+
+MASK = 63
+
+
+def tiny_dlm(shift_logits=False, block_causal=False, seed=0):
+    """A random bidirectional (or block-causal) model with peaked predictions, so that steps are predictable."""
+    model = make_target(vocab_size=64, hidden_size=64, num_layers=2, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    return DiffusionAdapter(model, mask_token_id=MASK, shift_logits=shift_logits, block_causal=block_causal)
+
+
+def prompts(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, MASK, (1, 4 + i % 5), generator=g) for i in range(n)]
+
+
+def config(**overrides):
+    return DiffusionGenerationConfig(**{"max_new_tokens": 16, "block_length": 8, "stop_at_eos": False, **overrides})
+
+
+# (model kind, cache) pairs in which a draft sees nothing that depends on the real block
+EXACT_MODES = [("bidirectional", "dual"), ("shifted", "dual"), ("block_causal", "none"), ("block_causal", "prefix"),
+               ("block_causal", "block")]
+KINDS = {"bidirectional": {}, "shifted": {"shift_logits": True}, "block_causal": {"block_causal": True}}
+
+
+# every exact mode with greedy, sampled and threshold decoding; every remasking rule in two of them
+CASES = [(kind, cache, "low_confidence", t, thr) for kind, cache in EXACT_MODES for t, thr in
+         [(0.0, None), (0.8, None), (0.0, 0.2)]]
+CASES += [(kind, cache, rule, t, None) for kind, cache in [("shifted", "dual"), ("block_causal", "block")]
+          for rule in ["margin", "entropy", "random"] for t in (0.0, 0.8)]
+
+
+@pytest.mark.parametrize("kind,cache,remasking,temperature,threshold", CASES)
+def test_spiffy_output_equals_ordinary_decoding_in_exact_modes(kind, cache, remasking, temperature, threshold):
+    model = tiny_dlm(**KINDS[kind])
+    cfg = config(cache=cache, remasking=remasking, temperature=temperature, threshold=threshold)
+    graph = calibrate(model, prompts(3, seed=7), cfg, num_nodes=16, progress=False)
+    accepted = saved = 0
+    for prompt in prompts(6):
+        plain = diffusion_generate(model, prompt, config=cfg)
+        spiffy = diffusion_generate(model, prompt, config=cfg, draft_graph=graph)
+        assert spiffy.exact
+        assert torch.equal(plain.sequences, spiffy.sequences)
+        accepted += sum(sum(a) for a in spiffy.accepted_drafts)
+        saved += plain.nfe - spiffy.nfe
+        assert spiffy.nfe == plain.nfe - sum(sum(a) for a in spiffy.accepted_drafts)  # one forward saved per draft
+    assert accepted > 0, "no draft was ever accepted: the equality above would prove nothing"
+
+
+def _draft_and_separate_logits(model, cache):
+    cfg = config(cache=cache)  # two blocks: the first has a masked suffix
+    prompt = prompts(1)[0]
+    canvas = Canvas(model, prompt, None, cfg)
+    start, end = canvas.block_range(0)
+    canvas.step_forward(0, first_step=True)  # builds the context of the cache mode
+    canvas.x[:, start : start + 3] = torch.tensor([5, 9, 11])  # a mid-block state
+    drafts = canvas.x[:, start:end].clone()[:, None].repeat(1, 3, 1)
+    drafts[0, 0, 3], drafts[0, 1, 3:5], drafts[0, 2, 7] = 17, torch.tensor([2, 40]), 33
+    _, draft_logits = canvas.step_forward(0, first_step=False, drafts=drafts)
+    deviations = []
+    for d in range(3):
+        separate = Canvas(model, prompt, None, cfg)
+        separate.step_forward(0, first_step=True)
+        separate.x[:, start:end] = drafts[:, d]
+        logits, _ = separate.step_forward(0, first_step=False)
+        deviations.append(float((logits - draft_logits[:, d]).abs().max()))
+    return deviations
+
+
+@pytest.mark.parametrize("kind,cache", EXACT_MODES)
+def test_verification_mask_draft_logits_equal_a_separate_forward(kind, cache):
+    with torch.no_grad():
+        assert max(_draft_and_separate_logits(tiny_dlm(**KINDS[kind]), cache)) < 1e-12
+
+
+def test_prefix_cache_on_a_bidirectional_model_is_only_near_lossless():
+    """Documented behaviour: with a prefix-only cache the recomputed suffix attends to the real block, so drafts see
+    K/V that depends on it; their logits deviate (measured here), and outputs are flagged exact=False."""
+    model = tiny_dlm()
+    with torch.no_grad():
+        deviation = max(_draft_and_separate_logits(model, "prefix"))
+    assert 1e-9 < deviation < 1.0, deviation
+    out = diffusion_generate(model, prompts(1)[0], config=config(cache="prefix"))
+    assert not out.exact
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_batched_left_padded_decoding_equals_row_by_row(draft):
+    model = tiny_dlm(shift_logits=True)
+    cfg = config(cache="dual", threshold=0.3)
+    graph = calibrate(model, prompts(3, seed=7), cfg, num_nodes=16, progress=False) if draft else None
+    rows = prompts(5)
+    width = max(p.shape[1] for p in rows)
+    ids = torch.stack([torch.cat([torch.zeros(width - p.shape[1], dtype=torch.long), p[0]]) for p in rows])
+    mask = torch.stack([torch.arange(width) >= width - p.shape[1] for p in rows]).long()
+    batched = diffusion_generate(model, ids, mask, config=cfg, draft_graph=graph)
+    for i, p in enumerate(rows):
+        alone = diffusion_generate(model, p, config=cfg, draft_graph=graph)
+        assert torch.equal(batched.sequences[i, width:], alone.sequences[0, p.shape[1] :])
+
+
+def test_ordinary_decoding_matches_the_llada_reference_loop():
+    """LLaDA's reference `generate` (low-confidence remasking, no cache, greedy), written out plainly."""
+    model = tiny_dlm()
+    cfg = config(steps=8)
+    prompt = prompts(1)[0]
+    x = torch.cat([prompt, torch.full((1, 16), MASK)], dim=1)
+    with torch.no_grad():
+        for block in range(2):
+            lo, hi = prompt.shape[1] + 8 * block, prompt.shape[1] + 8 * (block + 1)
+            for k in transfer_schedule(8, 4):
+                logits = model(x).logits.double()
+                logits[..., MASK] = -torch.inf  # the one deviation: never "unmask" into the mask token
+                p = logits.softmax(-1)
+                x0 = p.argmax(-1)
+                confidence = p.gather(-1, x0[..., None])[..., 0]
+                confidence[:, hi:] = -torch.inf
+                confidence[x != MASK] = -torch.inf
+                chosen = confidence.topk(k, dim=-1).indices
+                x[0, chosen[0]] = x0[0, chosen[0]]
+    ours = diffusion_generate(model, prompt, config=cfg)
+    assert torch.equal(ours.sequences, x)
+    assert ours.nfe == 8 and all(n == [2] for n in ours.unmasked_per_forward)
+
+
+def test_threshold_unmasking_takes_every_confident_position_and_at_least_one():
+    cfg = config(threshold=0.5)
+    state = torch.full((1, 8), MASK)
+    state[0, 0] = 3
+    logits = torch.zeros(1, 8, 64, dtype=torch.float64)
+    logits[0, 1, 7] = logits[0, 4, 9] = 10.0  # confident
+    logits[0, 2, 5] = 1.0  # not confident
+    new = Unmasker(cfg, MASK, 0)(state, logits, torch.zeros(1, dtype=torch.long))
+    assert new[0].tolist() == [3, 7, MASK, MASK, 9, MASK, MASK, MASK]
+    flat = torch.zeros(1, 8, 64, dtype=torch.float64)
+    flat[0, 6, 1] = 0.5  # nothing reaches the threshold: the most confident position alone
+    new = Unmasker(cfg, MASK, 0)(state, flat, torch.zeros(1, dtype=torch.long))
+    assert (new != state).sum() == 1 and new[0, 6] == 1
+
+
+def test_sampling_is_seeded_per_step():
+    model = tiny_dlm()
+    cfg = config(temperature=1.0, seed=3)
+    prompt = prompts(1)[0]
+    first, again = (diffusion_generate(model, prompt, config=cfg).sequences for _ in range(2))
+    other = diffusion_generate(model, prompt, config=config(temperature=1.0, seed=4)).sequences
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+def test_calibrated_graph_is_connected_and_round_trips(tmp_path):
+    model = tiny_dlm()
+    cfg = config(cache="dual")
+    graph = calibrate(model, prompts(4), cfg, num_nodes=12, progress=False)
+    assert 0 < len(graph) <= 12
+    for n, parents in enumerate(graph.parents):
+        assert parents and all(p == -1 or (p < n and set(graph.nodes[p]) < set(graph.nodes[n])) for p in parents)
+    path = graph.save_pretrained(tmp_path)
+    assert path.name == "spiffy_graph.json" and json.loads(path.read_text())["format_version"] == 1
+    loaded = DraftGraph.from_pretrained(tmp_path)
+    assert loaded.to_dict() == graph.to_dict()
+    assert DraftGraph.from_pretrained(path).nodes == graph.nodes
+
+
+def test_degree_one_accumulation_prefers_nodes_whose_parents_are_frequent():
+    recorder = TrajectoryRecorder(MASK, "low_confidence")
+    a, b, c = ((0, 0),), ((0, 1),), ((0, 0), (1, 0))
+    recorder.counts.update({a: 10, b: 6, c: 5})
+    recorder.edges.update({(None, a): 10, (None, b): 6, (a, c): 5})
+    nodes, parents, counts = recorder.select(2)
+    assert nodes == [a, c] and parents == [[-1], [0]]  # c: 5 + 10 beats b: 6
+    nodes, _, _ = recorder.select(1)
+    assert nodes == [a]
+
+
+def test_pruning_keeps_max_drafts_connected_nodes():
+    graph = DraftGraph(nodes=[((0, 0),), ((0, 1),), ((0, 0), (1, 0)), ((0, 0), (1, 0), (2, 0))],
+                       parents=[[-1], [-1], [0], [2]], block_length=8)
+    state = torch.full((2, 8), MASK)
+    state[1, :7] = 4  # one masked position left: only single-pair nodes are usable in row 1
+    in_hand = torch.randn(2, 8, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    drafts = propose_drafts(graph, state, in_hand, MASK, config(max_drafts=3))
+    assert drafts.tokens.shape == (2, 3, 8)
+    for row in range(2):
+        kept = set(drafts.nodes[row][drafts.valid[row]].tolist())
+        assert all(-1 in graph.parents[n] or any(p in kept for p in graph.parents[n]) for n in kept)
+    assert drafts.valid[0].all() and drafts.valid[1].sum() == 2
+    masked = (drafts.tokens != MASK).sum(-1) - (state != MASK).sum(-1, keepdim=True)
+    assert masked[0].tolist() == [len(graph.nodes[n]) for n in drafts.nodes[0].tolist()]
+
+
+def test_graph_errors(tmp_path):
+    with pytest.raises(ValueError, match="block_length=8.*block_length=16"):
+        DraftGraph(nodes=[((0, 0),)], parents=[[-1]], block_length=8).check_compatible(config(block_length=16))
+    data = DraftGraph(nodes=[((0, 0),)], parents=[[-1]], block_length=8).to_dict()
+    with pytest.raises(ValueError, match="format_version 99"):
+        DraftGraph.from_dict({**data, "format_version": 99})
+    with pytest.raises(ValueError, match="does not extend its parent"):
+        DraftGraph(nodes=[((0, 0),), ((1, 0),)], parents=[[-1], [0]], block_length=8)
+    with pytest.raises(ValueError, match="position rank outside"):
+        DraftGraph(nodes=[((8, 0),)], parents=[[-1]], block_length=8)
+    with pytest.raises(ValueError, match="missing a field"):
+        DraftGraph.from_dict({"format_version": 1, "nodes": []})
+    (tmp_path / "spiffy_graph.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        DraftGraph.from_pretrained(tmp_path)
+    with pytest.raises(OSError):
+        DraftGraph.from_pretrained(tmp_path / "nowhere")
+
+
+def test_generate_integration_and_errors(tmp_path):
+    model = hf_specdiff.enable(tiny_dlm())
+    assert hf_specdiff.is_enabled(model)
+    prompt = prompts(1)[0]
+    options = dict(max_new_tokens=16, block_length=8, cache="dual", stop_at_eos=False)
+    calibrate(model, prompts(3), config(cache="dual"), progress=False).save_pretrained(tmp_path)
+    plain = model.generate(prompt, **options)
+    out = model.generate(prompt, speculation="spiffy", draft_graph=str(tmp_path), return_dict_in_generate=True,
+                         **options)
+    assert torch.equal(out.sequences, plain) and out.nfe < 16
+    with pytest.raises(TypeError, match="unsupported arguments \\['num_beams'\\]"):
+        model.generate(prompt, num_beams=2, **options)
+    with pytest.raises(ValueError, match="needs draft_graph"):
+        model.generate(prompt, speculation="spiffy", **options)
+    with pytest.raises(ValueError, match="add speculation='spiffy'"):
+        model.generate(prompt, draft_graph=str(tmp_path), **options)
+    with pytest.raises(ValueError, match="do_sample=False contradicts"):
+        model.generate(prompt, do_sample=False, temperature=0.5, **options)
+    with pytest.raises(ValueError, match="multiple of block_length"):
+        model.generate(prompt, max_new_tokens=12, block_length=8)
+    with pytest.raises(ValueError, match="block-causal"):
+        model.generate(prompt, max_new_tokens=16, block_length=8, cache="block")
+    with pytest.raises(ValueError, match="remasking='lowest'"):
+        model.generate(prompt, max_new_tokens=16, block_length=8, remasking="lowest")
+    with pytest.raises(ValueError, match="mask_token_id=64"):
+        DiffusionAdapter(make_target(vocab_size=64), mask_token_id=64)
+    hf_specdiff.disable(model)
+    assert not hf_specdiff.is_enabled(model)
+
+
+def test_stop_at_eos_ends_after_the_block_with_eos():
+    model = tiny_dlm()
+    prompt = prompts(1)[0]
+    full = diffusion_generate(model, prompt, config=config(max_new_tokens=24))
+    eos = int(full.sequences[0, prompt.shape[1] + 2])  # a token the model emits in its first block
+    stopped = diffusion_generate(model, prompt, config=config(max_new_tokens=24, stop_at_eos=True), eos_token_id=eos)
+    assert stopped.sequences.shape[1] == prompt.shape[1] + 8
+    assert torch.equal(stopped.sequences, full.sequences[:, : prompt.shape[1] + 8])
+
+
+@pytest.mark.parametrize("family", ["dream", "sdar", "llada"])
+def test_spiffy_on_the_native_diffusion_lm(family):
+    """The library's own DiffusionLM (Dream: shifted logits; SDAR: block-causal; LLaDA: bidirectional) decoded in an
+    exact mode: Spiffy equals ordinary decoding, and drafts are accepted."""
+    from hf_specdiff.diffusion import DiffusionLM
+
+    dlm = DiffusionLM.from_causal_lm(tiny_dlm().model, mask_token_id=MASK, shift_logits=family == "dream",
+                                     block_causal=family == "sdar")
+    cache = "block" if family == "sdar" else "dual"
+    cfg = config(cache=cache, threshold=0.2)
+    graph = calibrate(dlm, prompts(3, seed=7), cfg, num_nodes=16, progress=False)
+    accepted = 0
+    for prompt in prompts(4):
+        plain = diffusion_generate(dlm, prompt, config=cfg)
+        spiffy = diffusion_generate(dlm, prompt, config=cfg, draft_graph=graph)
+        assert torch.equal(plain.sequences, spiffy.sequences)
+        accepted += sum(map(sum, spiffy.accepted_drafts))
+    assert accepted > 0
