@@ -5,6 +5,11 @@
     speculator = hf_specdiff.AutoSpeculator.from_pretrained(path)
     target.generate(**inputs, assistant_model=speculator, speculation="xpress")
 
+Masked diffusion LMs (LLaDA, Dream, SDAR layouts, or your own through `DiffusionAdapter`) decode with Spiffy:
+
+    dlm = hf_specdiff.enable(hf_specdiff.AutoDiffusionLM.from_pretrained(path))
+    dlm.generate(input_ids, max_new_tokens=256, block_length=32, speculation="spiffy", draft_graph=graph_path)
+
 Importing the package changes nothing in transformers; `enable(model)` opts a single model in.
 """
 
@@ -12,17 +17,25 @@ __version__ = "0.1.0"
 
 from .candidates import BlockDiffusionCandidateGenerator, SpeculationStats
 from .dflash import DFlashConfig, DFlashDraftModel
+from .diffusion import AutoDiffusionLM, DiffusionAdapter, DiffusionGenerationConfig, DiffusionLM, DiffusionLMConfig
 from .embedded import default_speculator_path, load_default_target
 from .generation import SPECULATION_METHODS, SpeculativeDecoderOnlyOutput, disable, enable, is_enabled
 from .markov import MarkovConfig, MarkovHead
 from .speculator import AutoSpeculator, Speculator
+from .spiffy import DraftGraph
 from .xpress import XPressConfig, XPressRefiner
 
 __all__ = [
+    "AutoDiffusionLM",
     "AutoSpeculator",
     "BlockDiffusionCandidateGenerator",
     "DFlashConfig",
     "DFlashDraftModel",
+    "DiffusionAdapter",
+    "DiffusionGenerationConfig",
+    "DiffusionLM",
+    "DiffusionLMConfig",
+    "DraftGraph",
     "MarkovConfig",
     "MarkovHead",
     "SPECULATION_METHODS",

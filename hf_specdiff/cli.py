@@ -1,4 +1,4 @@
-"""`hf-specdiff` command line: distill, train, bench, demo, export. Options mirror the dataclasses they fill (one default each)."""
+"""`hf-specdiff` command line: distill, train, bench, demo, export, calibrate. Options mirror the dataclasses they fill (one default each)."""
 
 from __future__ import annotations
 
@@ -32,12 +32,12 @@ def _dataclass_from_args(cls, args: argparse.Namespace):
     if getattr(args, "config", None):
         with open(args.config) as file:
             from_file = json.load(file)
-        unknown = set(from_file) - set(values)
+        unknown = set(from_file) - set(vars(args))  # a command may fill several dataclasses from one file
         if unknown:
             raise SystemExit(f"{args.config}: unknown options {sorted(unknown)}")
         # flags given on the command line win over the file
         given = {a.lstrip("-").split("=")[0].replace("-", "_") for a in sys.argv if a.startswith("--")}
-        values.update({k: v for k, v in from_file.items() if k not in given})
+        values.update({k: v for k, v in from_file.items() if k not in given and k in values})
     return cls(**values)
 
 
@@ -118,6 +118,52 @@ def export(args) -> None:
     print(f"wrote {args.output}")
 
 
+@dataclasses.dataclass
+class CalibrateConfig:
+    """What `hf-specdiff calibrate` reads; the decoding options come from DiffusionGenerationConfig's flags."""
+
+    model: str = ""  # a diffusion LM folder or Hub id (AutoDiffusionLM)
+    tokenizer: str | None = None  # default: the model's own folder
+    output: str = "spiffy_graph"  # folder for spiffy_graph.json
+    datasets: list[str] = dataclasses.field(default_factory=lambda: ["math500", "mbpp"])  # as in the paper
+    limit: int = 25  # prompts per dataset
+    prompt_seed: int = 1  # order in which prompts are drawn (bench uses seed 0: keep them apart)
+    data_dir: str | None = None
+    num_nodes: int = 64  # D
+    max_depth: int = 6  # steps ahead a node may lie
+    num_token_ranks: int = 3  # token ranks j a node may use
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+def calibrate(args) -> None:
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from .bench import BenchConfig, load_prompts
+    from .diffusion import AutoDiffusionLM, DiffusionGenerationConfig
+    from .spiffy import calibrate as calibrate_graph
+
+    options = _dataclass_from_args(CalibrateConfig, args)
+    decoding = _dataclass_from_args(DiffusionGenerationConfig, args)
+    if not options.model:
+        raise SystemExit("--model is required: a diffusion LM folder or Hub id.")
+    model = AutoDiffusionLM.from_pretrained(options.model, dtype=getattr(torch, options.dtype), device=options.device)
+    tokenizer = AutoTokenizer.from_pretrained(options.tokenizer or options.model)
+    chats = load_prompts(BenchConfig(datasets=options.datasets, limit=options.limit, seed=options.prompt_seed,
+                                     data_dir=options.data_dir))
+    prompts = [tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True)["input_ids"] for _, messages in chats]
+    graph = calibrate_graph(model, prompts, decoding, num_nodes=options.num_nodes, max_depth=options.max_depth,
+                            num_token_ranks=options.num_token_ranks,
+                            description={"model": options.model, "datasets": options.datasets,
+                                         "prompt_seed": options.prompt_seed})
+    path = graph.save_pretrained(Path(options.output))
+    print(f"{len(graph)} nodes calibrated on {len(prompts)} prompts: {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-specdiff", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -160,8 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     export_parser.add_argument("--train-hardware", default="a 2-core CPU")
     export_parser.add_argument("--limitations", default="")
 
+    from .diffusion import DiffusionGenerationConfig
+
+    calibrate_parser = commands.add_parser("calibrate", help="calibrate a Spiffy draft graph for a diffusion LM")
+    calibrate_parser.add_argument("--config", help="JSON file with CalibrateConfig and DiffusionGenerationConfig fields")
+    _add_dataclass_arguments(calibrate_parser, CalibrateConfig)
+    _add_dataclass_arguments(calibrate_parser, DiffusionGenerationConfig)
+
     args = parser.parse_args(argv)
-    if args.command == "export":
+    if args.command == "calibrate":
+        calibrate(args)
+    elif args.command == "export":
         export(args)
     elif args.command == "distill":
         from .distill import distill
