@@ -9,6 +9,10 @@ that range, so an upgrade shows which of these facts to re-check:
   5.17 and raises in 5.24, so we only ever pass negative counts.
 - The native dFlash candidate generator reads `hidden_states[i]` for each of the drafter's `target_layer_ids` in
   5.17 and `hidden_states[i + 1]` in 5.24 (index 0 is the embeddings; z-lab's convention is i + 1).
+- `GenerationMixin._valid_auto_compile_criteria(model_kwargs, generation_config)` decides whether `generate`
+  compiles the decoding forward (a compileable, non-dynamic cache on cuda / xpu / neuron / tpu, no
+  `disable_compile`, no offload); `CompileConfig._compile_all_devices = True` lifts the device condition (both
+  5.17 and 5.24). The benchmark uses them to report and to force compilation of `ar_static`.
 """
 
 from __future__ import annotations
@@ -66,3 +70,18 @@ def generate_output_cache_field() -> str:
 
     names = {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)}
     return "cache" if "cache" in names else "past_key_values"
+
+
+def forward_compiled(model, generation_config, cache) -> bool:
+    """Whether `generate` compiles `model`'s decoding forward with this generation config and this cache."""
+    # the cache sits under `past_key_values` in 5.17's model kwargs and under `cache` in 5.24's
+    return bool(model._valid_auto_compile_criteria({"cache": cache, "past_key_values": cache}, generation_config))
+
+
+def compile_config_for_all_devices():
+    """A `CompileConfig` that makes `generate` compile on any device, the CPU included."""
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    config._compile_all_devices = True
+    return config

@@ -1,13 +1,22 @@
 """`hf-specdiff bench`: every method side by side on real prompt sets, interleaved so that drift hits all alike.
 
-Per method: tau (mean tokens per target forward after the prefill, bonus included), tokens/s, speedup over plain
-`generate` measured in the same run, acceptance by block position, draft/refine/verify time per step, target
-forwards, and lossless checks against plain greedy output (raw mismatches, and those not explained by a near-tie
-of the target's logits in floating point; the second must be 0).
+Methods: `ar` (plain `generate`, the reference every ratio is taken against), `ar_static` (plain `generate` with a
+static cache, compiled by transformers where it compiles on its own: cuda, xpu, neuron, tpu), `dflash`, `xpress`
+(one run per K), `markov` (our speculative loop), `dflash_hf` and `prompt_lookup` (transformers' own assisted
+decoding). One warm-up call per method (which also pays for any compilation) is excluded from every figure.
+
+Per method: tokens/s and speedup over `ar` measured in the same run; prefill (time to the first generated token)
+and the decode rate after it; whether transformers compiled the forward; for our speculative methods tau (mean
+tokens per target forward after the prefill, bonus included), acceptance by block position, draft/refine/verify
+time per step and target forwards. Losslessness against `ar`: greedy runs compare token by token (raw mismatches,
+and those not explained by a near-tie of the target's logits in floating point; the second must be 0); sampled
+runs (`temperature > 0`) compare the target's mean log-probability of the generated tokens with a paired
+permutation test over prompts (`sampling_check`, see `paired_permutation_test`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import platform
@@ -17,6 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from transformers.generation.streamers import BaseStreamer
+
+from .candidates import synchronize
 
 DATASETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt_bench")
 _FILES = {
@@ -37,15 +49,29 @@ class BenchConfig:
     data_dir: str | None = None  # folder holding the benchmark JSONL files; default: $HF_SPECDIFF_DATA or shared/data
     limit: int = 10  # prompts per dataset
     seed: int = 0  # order in which prompts are drawn
-    methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "xpress", "markov"])  # + dflash_hf, prompt_lookup
+    # of ar, ar_static, dflash, xpress, markov, dflash_hf, prompt_lookup; ar is always run (the reference)
+    methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "xpress", "markov"])
     jacobi_passes: list[int] = field(default_factory=lambda: [4])  # K values for xpress
     max_new_tokens: int = 128
-    temperature: float = 0.0  # 0: greedy (losslessness checked per token)
+    # 0: greedy, losslessness checked per token; > 0: sampled, checked by a permutation test on log-probabilities
+    temperature: float = 0.0
+    # ar_static's torch.compile: None lets transformers decide (it compiles on cuda/xpu/neuron/tpu, not on the CPU);
+    # True compiles on any device (on 2 CPU cores SmolLM2-135M takes ~40-50 s to compile, then decodes ~15% faster);
+    # False never compiles
+    compile: bool | None = None
     target: str | None = None  # local folder or Hub id; None: the embedded SmolLM2-135M-Instruct
     speculator: str | None = None  # None: the speculator shipped for the embedded target
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     dtype: str = "float32"
     tie_tolerance: float = 1e-3  # logit gap under which a greedy divergence counts as a floating-point near-tie
+    # Diffusion LMs: methods steps, threshold, spiffy, spiffy_threshold (see bench_diffusion); --target names the model
+    block_length: int = 32
+    steps: int | None = None  # denoising steps over the answer; None: one token per step
+    remasking: str = "low_confidence"
+    threshold: float = 0.9  # Fast-dLLM threshold of the *_threshold methods
+    cache: str = "dual"  # none, prefix, dual, block (dual and block are exact for Spiffy)
+    max_drafts: int = 8  # Spiffy's D*
+    draft_graph: str | None = None  # folder with spiffy_graph.json; default: the one beside the model
     json: str | None = None  # write the full results here
     markdown: str | None = None  # write the table here
     plots: str | None = None  # write PNG plots (speedup, accepted lengths, acceptance by position) to this folder
@@ -65,19 +91,15 @@ def find_data_dir(explicit: str | None) -> Path:
     )
 
 
-def load_prompts(config: BenchConfig) -> list[tuple[str, list[dict]]]:
-    """[(dataset, chat messages)] with `limit` prompts per dataset drawn in a seeded order."""
+def load_rows(config: BenchConfig) -> list[tuple[str, dict]]:
+    """[(dataset, row)] with `limit` rows per dataset drawn in a seeded order ("custom" rows from --prompts)."""
     if config.prompts:
         rows = [json.loads(line) for line in Path(config.prompts).read_text().splitlines() if line.strip()]
-        out = []
         for number, row in enumerate(rows, 1):
-            if "messages" in row:
-                out.append(("custom", row["messages"]))
-            elif "prompt" in row:
-                out.append(("custom", [{"role": "user", "content": row["prompt"]}]))
-            else:
+            if "messages" not in row and "prompt" not in row:
                 raise ValueError(f"{config.prompts}:{number} needs a `prompt` string or a `messages` list.")
-        return out[: config.limit] if config.limit else out
+        rows = rows[: config.limit] if config.limit else rows
+        return [("custom", row) for row in rows]
     unknown = [d for d in config.datasets if d not in DATASETS]
     if unknown:
         raise ValueError(f"Unknown datasets {unknown}; choose from {DATASETS} or pass --prompts FILE.jsonl.")
@@ -86,9 +108,20 @@ def load_prompts(config: BenchConfig) -> list[tuple[str, list[dict]]]:
     for name in config.datasets:
         rows = [json.loads(line) for line in (data_dir / _FILES[name]).read_text().splitlines() if line.strip()]
         random.Random(config.seed).shuffle(rows)
-        for row in rows[: config.limit]:
-            out.append((name, [{"role": "user", "content": _question(name, row)}]))
+        out += [(name, row) for row in rows[: config.limit]]
     return out
+
+
+def prompt_messages(dataset: str, row: dict) -> list[dict]:
+    """The chat messages a benchmark row asks."""
+    if dataset == "custom":
+        return row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
+    return [{"role": "user", "content": _question(dataset, row)}]
+
+
+def load_prompts(config: BenchConfig) -> list[tuple[str, list[dict]]]:
+    """[(dataset, chat messages)] with `limit` prompts per dataset drawn in a seeded order."""
+    return [(dataset, prompt_messages(dataset, row)) for dataset, row in load_rows(config)]
 
 
 def _question(dataset: str, row: dict) -> str:
@@ -103,8 +136,14 @@ def _question(dataset: str, row: dict) -> str:
     return row["turns"][0]  # mt_bench
 
 
-def _method_runs(config: BenchConfig, speculator) -> list[tuple[str, dict]]:
-    """(name, extra generate kwargs) per measured method; plain generate ("ar") always comes first."""
+METHODS = ("ar", "ar_static", "dflash", "xpress", "markov", "dflash_hf", "prompt_lookup")
+
+
+def _method_runs(config: BenchConfig, speculator, max_cache_len: int) -> list[tuple[str, dict]]:
+    """(name, extra generate kwargs) per measured method; plain generate ("ar") always comes first.
+
+    `max_cache_len` sizes ar_static's cache for the longest prompt, so that every call has the same cache shape and a
+    compiled forward is compiled once, in the warm-up."""
     runs = []
     for method in config.methods:
         if method == "xpress":
@@ -117,21 +156,90 @@ def _method_runs(config: BenchConfig, speculator) -> list[tuple[str, dict]]:
             runs.append((method, dict(assistant_model=speculator, speculation_type="dflash")))
         elif method == "prompt_lookup":  # transformers' n-gram lookup in the prompt
             runs.append((method, dict(prompt_lookup_num_tokens=10)))
+        elif method == "ar_static":  # plain generate with a static cache, compiled where transformers compiles
+            runs.append((method, dict(cache_implementation="static", max_cache_len=max_cache_len,
+                                      **_compile_kwargs(config.compile))))
         elif method == "ar":
             runs.append(("ar", {}))
         else:
-            raise ValueError(
-                f"Unknown method {method!r}; choose from ar, dflash, xpress, markov, dflash_hf, prompt_lookup."
-            )
+            raise ValueError(f"Unknown method {method!r}; choose from {', '.join(METHODS)}.")
     return [("ar", {})] + [r for r in runs if r[0] != "ar"]  # every ratio is relative to plain generate
 
 
-def timed_generate(model, **kwargs):
-    """`model.generate(**kwargs)` and its wall time in seconds, device work included."""
-    from .candidates import synchronize
+def _compile_kwargs(setting: bool | None) -> dict:
+    """generate kwargs for `BenchConfig.compile`."""
+    if setting is None:
+        return {}
+    if not setting:
+        return {"disable_compile": True}
+    from . import _compat
 
+    return {"compile_config": _compat.compile_config_for_all_devices()}
+
+
+def _forward_compiled(model, kwargs: dict, out) -> bool:
+    """Whether `model.generate(**kwargs)` ran the forward through torch.compile, by transformers' own rule.
+
+    transformers (5.17-5.24, `GenerationMixin._valid_auto_compile_criteria`) compiles the decoding forward of plain
+    and assisted decoding when the cache is compileable and not a DynamicCache (a static cache), the device is cuda,
+    xpu, neuron or tpu (or `compile_config._compile_all_devices` is set), `disable_compile` is not set, and no
+    quantizer or CPU/disk offload forbids it. We ask that rule with the cache the call returned. Our speculative
+    loop calls the forward itself and never compiles it."""
+    if kwargs.get("speculation") is not None:
+        return False
+    from transformers.generation.configuration_utils import GenerationConfig
+
+    from . import _compat
+
+    cache = getattr(out, _compat.generate_output_cache_field(), None)
+    generation_config = copy.deepcopy(model.generation_config or GenerationConfig())
+    generation_config.update(**kwargs)
+    return _compat.forward_compiled(model, generation_config, cache)
+
+
+class FirstTokenTimer(BaseStreamer):
+    """A `generate` streamer that notes when the first generated tokens reach the host: prefill vs decode time.
+
+    `generate` calls `put` with the prompt ids, then with each run of new tokens, then `end`. At the first run of new
+    tokens (one token for plain decoding; prompt lookup can deliver several at once, all counted as prefill) the
+    device is synchronised and the clock read, once; every other call returns at once, so the timer adds no
+    measurable cost per step. `start` is set by `timed_generate` from the same clock.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.start: float | None = None
+        self.first_token_time: float | None = None
+        self.first_tokens = 0
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.first_token_time is not None:
+            return
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        synchronize(self.device)
+        self.first_token_time = time.perf_counter()
+        self.first_tokens = value.numel()  # batch 1
+
+    def end(self) -> None:
+        pass
+
+    @property
+    def prefill_seconds(self) -> float | None:
+        if self.start is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.start
+
+
+def timed_generate(model, **kwargs):
+    """`model.generate(**kwargs)` and its wall time in seconds, device work included. A `FirstTokenTimer` passed as
+    `streamer` is started on the same clock."""
     synchronize(model.device)
     start = time.perf_counter()
+    if isinstance(kwargs.get("streamer"), FirstTokenTimer):
+        kwargs["streamer"].start = start
     out = model.generate(**kwargs)
     synchronize(model.device)
     return out, time.perf_counter() - start
@@ -157,7 +265,6 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
         speculator = hf_specdiff.AutoSpeculator.from_pretrained(path)
     speculator = speculator.to(device=config.device, dtype=dtype)
     prompts = load_prompts(config)
-    runs = _method_runs(config, speculator)
     sampling = config.temperature > 0
     common = dict(max_new_tokens=config.max_new_tokens, do_sample=sampling, return_dict_in_generate=True)
     if sampling:
@@ -166,15 +273,21 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
         common.update(output_scores=True)
 
     def generate(inputs, extra):
-        return timed_generate(target, **inputs, **common, **extra)
+        timer = FirstTokenTimer(target.device)
+        out, seconds = timed_generate(target, **inputs, **common, **extra, streamer=timer)
+        return out, seconds, timer
 
     encoded = [
         (dataset, tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                 return_dict=True).to(config.device))
         for dataset, messages in prompts
     ]
-    for _, kwargs in runs:  # warm-up, excluded from every figure
-        generate(encoded[0][1], kwargs)
+    longest = max(inputs["input_ids"].shape[1] for _, inputs in encoded)
+    runs = _method_runs(config, speculator, max_cache_len=longest + config.max_new_tokens)
+    compiled = {}
+    for name, kwargs in runs:  # warm-up (and compilation), excluded from every figure
+        out, _, _ = generate(encoded[0][1], kwargs)
+        compiled[name] = _forward_compiled(target, {**common, **kwargs}, out)
 
     records = []
     bar = tqdm(total=len(encoded) * len(runs), desc="bench", disable=not progress)
@@ -182,10 +295,13 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
         reference = None
         for name, kwargs in runs:  # interleaved: every method sees each prompt back to back
             torch.manual_seed(config.seed + index)
-            out, seconds = generate(inputs, kwargs)
+            out, seconds, timer = generate(inputs, kwargs)
             prompt_length = inputs["input_ids"].shape[1]
             record = {"dataset": dataset, "prompt": index, "method": name, "seconds": seconds,
-                      "new_tokens": out.sequences.shape[1] - prompt_length}
+                      "new_tokens": out.sequences.shape[1] - prompt_length, "compiled": compiled[name],
+                      "prefill_seconds": timer.prefill_seconds, "first_tokens": timer.first_tokens}
+            if sampling:  # outside the timing
+                record["mean_logprob"] = mean_target_logprob(target, out.sequences, prompt_length, config.temperature)
             if name == "ar":
                 reference = out
                 records.append(record)
@@ -221,6 +337,61 @@ def _lossless_check(reference, out, prompt_length, tolerance) -> dict:
     return {"mismatch": True, "unexplained_mismatch": gap > tolerance, "logit_gap": gap, "first_divergence": i}
 
 
+@torch.no_grad()
+def mean_target_logprob(target, sequences: torch.LongTensor, prompt_length: int, temperature: float) -> float | None:
+    """Mean log p(x_t | x_<t) of the generated tokens under the target at `temperature` (log_softmax(logits / T)),
+    from one teacher-forced forward over prompt + output. None when nothing was generated."""
+    if sequences.shape[1] <= prompt_length:
+        return None
+    logits = target(input_ids=sequences, use_cache=False).logits[:, prompt_length - 1 : -1].float()  # (1, n, V)
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return float(logprobs.gather(-1, sequences[:, prompt_length:, None]).mean())
+
+
+def paired_permutation_test(a, b, permutations: int = 10_000, seed: int = 0) -> float:
+    """Two-sided p-value of a paired sign-flip permutation test of mean(a - b) = 0.
+
+    If a_i and b_i are exchangeable within each pair (the null hypothesis), each difference d_i = a_i - b_i is as
+    likely to carry either sign, so |mean(d)| is ranked among |mean(s * d)| over sign vectors s: all 2^n of them when
+    that is at most `permutations` (the exact test), otherwise `permutations` seeded random ones (p counts the
+    observed vector once more, so it is never 0). Pure torch.
+
+    In the bench, a_i and b_i are the target's mean log-probability of a method's and plain generate's sampled
+    output for prompt i. A lossless speculative sampler draws from the target's distribution exactly as plain
+    sampling does, so the differences only carry sampling noise. A verifier that leaks the draft distribution (it
+    accepts draft tokens more often than min(1, p/q), or resamples from the wrong residual) emits tokens partly from
+    q, which moves the mean log-probability the target assigns to them: small p-values flag that. It is a coarse
+    check: it sees only a shift of that one statistic, with as many pairs as prompts; the exact test of the output
+    distribution lives in tests/test_sampling.py.
+    """
+    d = torch.as_tensor(a, dtype=torch.float64) - torch.as_tensor(b, dtype=torch.float64)
+    n = d.numel()
+    if n == 0:
+        return 1.0
+    observed = d.mean().abs()
+    tolerance = 1e-12 * float(d.abs().max())  # equal statistics summed in another order still count as ties
+    if 2**n <= permutations:
+        bits = (torch.arange(2**n)[:, None] >> torch.arange(n)) & 1
+        flipped = ((1 - 2 * bits).to(torch.float64) * d).mean(dim=1).abs()
+        return float((flipped >= observed - tolerance).double().mean())
+    generator = torch.Generator().manual_seed(seed)
+    signs = 1 - 2 * torch.randint(0, 2, (permutations, n), generator=generator).to(torch.float64)
+    flipped = (signs * d).mean(dim=1).abs()
+    return float((1 + (flipped >= observed - tolerance).sum()) / (1 + permutations))
+
+
+def _sampling_check(rows: list[dict], reference_rows: list[dict]) -> dict:
+    reference = {r["prompt"]: r["mean_logprob"] for r in reference_rows}
+    pairs = [(r["mean_logprob"], reference.get(r["prompt"])) for r in rows]
+    pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
+    if not pairs:
+        return {"mean_logprob": None, "ar_mean_logprob": None, "mean_difference": None, "p_value": None, "prompts": 0}
+    ours, theirs = [x for x, _ in pairs], [y for _, y in pairs]
+    return {"mean_logprob": sum(ours) / len(ours), "ar_mean_logprob": sum(theirs) / len(theirs),
+            "mean_difference": (sum(ours) - sum(theirs)) / len(pairs),
+            "p_value": paired_permutation_test(ours, theirs), "prompts": len(pairs)}
+
+
 def summarize(records: list[dict], runs: list[str]) -> dict:
     summary = {}
     ar_speed = None
@@ -229,8 +400,18 @@ def summarize(records: list[dict], runs: list[str]) -> dict:
         tokens, seconds = sum(r["new_tokens"] for r in rows), sum(r["seconds"] for r in rows)
         entry = {"prompts": len(rows), "new_tokens": tokens, "seconds": seconds,
                  "tokens_per_s": tokens / seconds if seconds else 0.0}
+        if rows and "prefill_seconds" in rows[0]:
+            timed = [r for r in rows if r["prefill_seconds"] is not None]
+            prefill = sum(r["prefill_seconds"] for r in timed)
+            decode_tokens = sum(r["new_tokens"] - r["first_tokens"] for r in timed)
+            decode_seconds = sum(r["seconds"] for r in timed) - prefill
+            entry["prefill_ms"] = 1000 * prefill / max(len(timed), 1)
+            entry["decode_tokens_per_s"] = decode_tokens / decode_seconds if decode_seconds > 0 else 0.0
+            entry["compiled"] = rows[0]["compiled"]
         if name == "ar":
             ar_speed = entry["tokens_per_s"]
+        elif rows and "mean_logprob" in rows[0]:
+            entry["sampling_check"] = _sampling_check(rows, [r for r in records if r["method"] == "ar"])
         if rows and "mismatch" in rows[0]:
             entry["lossless_mismatches"] = sum(r["mismatch"] for r in rows)
             entry["unexplained_mismatches"] = sum(r["unexplained_mismatch"] for r in rows)
@@ -265,38 +446,81 @@ def _environment(target, config) -> dict:
             "target": target.config.name_or_path or type(target).__name__}
 
 
+def _prompt_source(result: dict) -> str:
+    config = result["config"]
+    if config.get("prompts"):
+        return f"{result['summary'][result['runs'][0]]['prompts']} prompts from {config['prompts']}"
+    return f"datasets {config['datasets']}, {config['limit']} prompts each"
+
+
 def markdown_table(result: dict) -> str:
-    lines = ["| dataset | method | tau | tokens/s | speedup vs ar | draft ms | refine ms | verify ms | "
-             "mismatches (unexplained) |", "|---|---|---|---|---|---|---|---|---|"]
+    """The summary as a Markdown table with a footer (device, versions, compilation, how losslessness was checked).
+    Renders results of older bench versions too (missing figures show as -)."""
+    sampled = result["config"].get("temperature", 0.0) > 0
+    check = "logprob diff vs ar (p)" if sampled else "mismatches (unexplained)"
+    lines = ["| dataset | method | tau | tokens/s | speedup vs ar | prefill ms | decode tokens/s | draft ms | "
+             f"refine ms | verify ms | {check} |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     sections = dict(result["by_dataset"])
     if len(sections) > 1:
         sections["all"] = result["summary"]
+
+    def number(entry: dict, key: str, digits: int = 1) -> str:
+        return f"{entry[key]:.{digits}f}" if entry.get(key) is not None else "-"
+
     for dataset, summary in sections.items():
         for name, e in summary.items():
+            tau = "1.00" if name in ("ar", "ar_static") else number(e, "tau", 2)
+            phases = " | ".join(number(e, f"{p}_ms") for p in ("draft", "refine", "verify"))
             if name == "ar":
-                lines.append(f"| {dataset} | ar | 1.00 | {e['tokens_per_s']:.1f} | 1.00 | | | | |")
-                continue
-            mism = f"{e.get('lossless_mismatches', '-')} ({e.get('unexplained_mismatches', '-')})"
-            tau = f"{e['tau']:.2f}" if "tau" in e else "-"
-            phases = " | ".join(f"{e[f'{p}_ms']:.1f}" if f"{p}_ms" in e else "-" for p in ("draft", "refine", "verify"))
-            lines.append(f"| {dataset} | {name} | {tau} | {e['tokens_per_s']:.1f} | {e['speedup_vs_ar']:.2f} | "
-                         f"{phases} | {mism} |")
+                verdict = ""
+            elif "sampling_check" in e and e["sampling_check"]["prompts"]:
+                verdict = f"{e['sampling_check']['mean_difference']:+.3f} (p={e['sampling_check']['p_value']:.2f})"
+            else:
+                verdict = f"{e.get('lossless_mismatches', '-')} ({e.get('unexplained_mismatches', '-')})"
+            lines.append(f"| {dataset} | {name} | {tau} | {e['tokens_per_s']:.1f} | {number(e, 'speedup_vs_ar', 2)} | "
+                         f"{number(e, 'prefill_ms')} | {number(e, 'decode_tokens_per_s')} | {phases} | {verdict} |")
     env = result["environment"]
     lines.append("")
     lines.append(f"{env['device_name']} ({env['device']}), {env['dtype']}, torch {env['torch']}, "
-                 f"transformers {env['transformers']}; datasets {result['config']['datasets']}, "
-                 f"{result['config']['limit']} prompts each, max_new_tokens {result['config']['max_new_tokens']}.")
+                 f"transformers {env['transformers']}; {_prompt_source(result)}, "
+                 f"max_new_tokens {result['config']['max_new_tokens']}.")
+    if any("compiled" in e for e in result["summary"].values()):
+        compiled = [name for name, e in result["summary"].items() if e.get("compiled")]
+        static = ""
+        if "ar_static" in result["summary"] and "ar_static" not in compiled:
+            why = ("--no-compile" if result["config"].get("compile") is False else
+                   "transformers compiles on its own on cuda, xpu, neuron and tpu only; --compile forces it")
+            static = f" ar_static: static cache, forward not compiled ({why})."
+        lines.append(f"Forward compiled by torch.compile: {', '.join(compiled) or 'none'}.{static} Prefill = time to "
+                     "the first generated token; decode tokens/s = the tokens after it over the time after it.")
+    if sampled:
+        lines.append(f"Sampled at temperature {result['config']['temperature']}: per-token losslessness cannot be "
+                     "checked; the last column is the method's mean target log-probability per generated token minus "
+                     "plain generate's, with the p-value of a paired sign-flip permutation test over prompts (a coarse "
+                     "check: small p flags a shifted output distribution).")
     return "\n".join(lines)
 
 
+def is_diffusion_bench(config: BenchConfig) -> bool:
+    from .bench_diffusion import DIFFUSION_METHODS
+
+    diffusion = [m in DIFFUSION_METHODS for m in config.methods]
+    if any(diffusion) and not all(diffusion):
+        raise ValueError(f"Methods {config.methods} mix diffusion-LM and autoregressive methods; bench one kind per run.")
+    return all(diffusion)
+
+
 def write_outputs(result: dict, config: BenchConfig) -> None:
+    from .bench_diffusion import diffusion_markdown_table, plot_diffusion
+
+    diffusion = is_diffusion_bench(config)
     if config.json:
         Path(config.json).parent.mkdir(parents=True, exist_ok=True)
         Path(config.json).write_text(json.dumps(result, indent=1))
     if config.markdown:
-        Path(config.markdown).write_text(markdown_table(result) + "\n")
+        Path(config.markdown).write_text((diffusion_markdown_table if diffusion else markdown_table)(result) + "\n")
     if config.plots:
-        plot_results(result, config.plots)
+        (plot_diffusion if diffusion else plot_results)(result, config.plots)
 
 
 def plot_results(result: dict, folder: str | Path) -> list[Path]:

@@ -159,7 +159,7 @@ def calibrate(args) -> None:
     graph = calibrate_graph(model, prompts, decoding, num_nodes=options.num_nodes, max_depth=options.max_depth,
                             num_token_ranks=options.num_token_ranks,
                             description={"model": options.model, "datasets": options.datasets,
-                                         "prompt_seed": options.prompt_seed})
+                                         "prompt_seed": options.prompt_seed, "limit": options.limit})
     path = graph.save_pretrained(Path(options.output))
     print(f"{len(graph)} nodes calibrated on {len(prompts)} prompts: {path}")
 
@@ -225,10 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "bench":
         from .bench import markdown_table, run_bench, write_outputs
 
+        from .bench import is_diffusion_bench
+        from .bench_diffusion import diffusion_markdown_table, run_diffusion_bench
+
         config = _dataclass_from_args(BenchConfig, args)
-        result = run_bench(config)
+        diffusion = is_diffusion_bench(config)
+        result = (run_diffusion_bench if diffusion else run_bench)(config)
         write_outputs(result, config)
-        print(markdown_table(result))
+        print((diffusion_markdown_table if diffusion else markdown_table)(result))
     elif args.command == "demo":
         demo(args.prompt, args.max_new_tokens, args.speculator, args.device)
     elif args.command == "train":

@@ -86,3 +86,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def require_bench_data():
+    from hf_specdiff.bench import find_data_dir
+
+    try:
+        find_data_dir(None)
+    except FileNotFoundError:
+        pytest.skip("benchmark data (shared/data) not available")
+
+
+def small_dlm_with_smollm_tokenizer(folder):
+    """A small random diffusion LM (Dream-style shifted logits) with SmolLM2's real tokenizer, saved to `folder`
+    with the tokenizer; returns the tokenizer. For end-to-end runs of the calibrate and bench commands."""
+    from transformers import AutoTokenizer
+
+    from hf_specdiff.diffusion import DiffusionLM
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_specdiff.embedded.default_target_path())
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    DiffusionLM.from_causal_lm(base, mask_token_id=16, shift_logits=True).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return tokenizer

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
 import hf_specdiff
-from hf_specdiff.bench import BenchConfig, load_prompts, markdown_table, run_bench, write_outputs
+from hf_specdiff.bench import (
+    BenchConfig,
+    _method_runs,
+    load_prompts,
+    markdown_table,
+    paired_permutation_test,
+    run_bench,
+    write_outputs,
+)
+
+SPECULATIVE = ("dflash", "xpress_k1", "xpress_k4", "markov")
 
 
 @pytest.fixture(scope="module")
@@ -16,21 +28,35 @@ def smollm():
     return target, tokenizer, hf_specdiff.AutoSpeculator.from_target(target, seed=0)
 
 
-def test_bench_reports_every_method_side_by_side(tmp_path, smollm):
-    target, tokenizer, speculator = smollm
+def _two_prompts(tmp_path) -> Path:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         json.dumps({"prompt": "What is 12 times 7?"}) + "\n"
         + json.dumps({"messages": [{"role": "user", "content": "Name three primary colours."}]}) + "\n"
     )
-    config = BenchConfig(prompts=str(prompts), limit=0, max_new_tokens=12, jacobi_passes=[1, 4], device="cpu",
-                         methods=["ar", "dflash", "xpress", "markov", "dflash_hf", "prompt_lookup"],
-                         json=str(tmp_path / "out.json"), markdown=str(tmp_path / "out.md"), plots=str(tmp_path / "plots"))
+    return prompts
+
+
+def test_bench_reports_every_method_side_by_side(tmp_path, smollm):
+    target, tokenizer, speculator = smollm
+    config = BenchConfig(prompts=str(_two_prompts(tmp_path)), limit=0, max_new_tokens=12, jacobi_passes=[1, 4],
+                         device="cpu", methods=["ar", "ar_static", "dflash", "xpress", "markov", "dflash_hf",
+                                                "prompt_lookup"],
+                         json=str(tmp_path / "out.json"), markdown=str(tmp_path / "out.md"),
+                         plots=str(tmp_path / "plots"))
     result = run_bench(config, target=target, tokenizer=tokenizer, speculator=speculator, progress=False)
     write_outputs(result, config)
-    assert result["runs"] == ["ar", "dflash", "xpress_k1", "xpress_k4", "markov", "dflash_hf", "prompt_lookup"]
+    assert result["runs"] == ["ar", "ar_static", "dflash", "xpress_k1", "xpress_k4", "markov", "dflash_hf",
+                              "prompt_lookup"]
     summary = json.loads((tmp_path / "out.json").read_text())["summary"]
-    for name in ("dflash", "xpress_k1", "xpress_k4", "markov"):
+    for name, entry in summary.items():  # prefill and decode rate for every method, ar included
+        assert entry["prefill_ms"] > 0 and entry["decode_tokens_per_s"] > 0, name
+        assert "sampling_check" not in entry, name
+    # transformers compiles only on cuda/xpu/neuron/tpu by default: the static cache alone on the CPU
+    assert summary["ar_static"]["compiled"] is False
+    assert not any(entry["compiled"] for entry in summary.values())
+    assert summary["ar_static"]["unexplained_mismatches"] == 0 and "lossless_mismatches" in summary["ar_static"]
+    for name in SPECULATIVE:
         entry = summary[name]
         for key in ("tau", "tau_per_sample", "tokens_per_s", "speedup_vs_ar", "accept_rate_by_position",
                     "draft_ms", "refine_ms", "verify_ms", "target_forwards", "lossless_mismatches"):
@@ -40,10 +66,55 @@ def test_bench_reports_every_method_side_by_side(tmp_path, smollm):
     assert summary["ar"]["speedup_vs_ar"] == 1.0
     for name in ("dflash_hf", "prompt_lookup"):  # transformers' own methods: speed and losslessness only
         assert summary[name]["unexplained_mismatches"] == 0 and summary[name]["tokens_per_s"] > 0
-    assert "| custom | xpress_k4 |" in (tmp_path / "out.md").read_text()
+    table = (tmp_path / "out.md").read_text()
+    assert "| custom | xpress_k4 |" in table and "| custom | ar_static | 1.00 |" in table
+    assert "prefill ms | decode tokens/s" in table and "ar_static: static cache, forward not compiled" in table
     assert result["environment"]["device"] == "cpu"
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "acceptance_by_position.png", "accepted_lengths.png", "speedup.png"]
+
+
+def test_sampled_bench_checks_losslessness_by_log_probability(tmp_path, smollm):
+    target, tokenizer, speculator = smollm
+    config = BenchConfig(prompts=str(_two_prompts(tmp_path)), limit=0, max_new_tokens=12, jacobi_passes=[1, 4],
+                         device="cpu", temperature=0.8, methods=["ar", "dflash", "xpress", "markov"])
+    result = run_bench(config, target=target, tokenizer=tokenizer, speculator=speculator, progress=False)
+    summary = result["summary"]
+    for name in SPECULATIVE:
+        check = summary[name]["sampling_check"]
+        assert check["prompts"] == 2 and 0.0 <= check["p_value"] <= 1.0, name
+        assert check["mean_logprob"] <= 0 and check["ar_mean_logprob"] <= 0
+        assert check["mean_difference"] == pytest.approx(check["mean_logprob"] - check["ar_mean_logprob"])
+        assert "lossless_mismatches" not in summary[name] and "unexplained_mismatches" not in summary[name]
+        assert summary[name]["prefill_ms"] > 0
+    assert "sampling_check" not in summary["ar"]
+    assert not any("mismatch" in r for r in result["records"])
+    table = markdown_table(result)
+    assert "logprob diff vs ar (p)" in table and "paired sign-flip permutation test" in table
+
+
+def test_permutation_test_separates_a_shift_from_noise():
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(30, generator=generator)
+    same = base + 0.1 * torch.randn(30, generator=generator)  # two draws of one distribution per pair
+    other = base + 0.1 * torch.randn(30, generator=generator)
+    assert paired_permutation_test(same, other) > 0.05
+    assert paired_permutation_test(base, base) == 1.0  # no difference at all
+    shifted = base + 0.1 + 0.1 * torch.randn(30, generator=generator)  # negative control: a consistent shift
+    p_shift = paired_permutation_test(shifted, base)
+    assert p_shift < 0.01
+    assert p_shift == paired_permutation_test(shifted, base)  # seeded
+    # few pairs: the exact test over all 2^n sign vectors; 3 pairs all of one sign give p = 2/8
+    assert paired_permutation_test([1.0, 2.0, 3.0], [0.0, 1.0, 2.0]) == 0.25
+    assert paired_permutation_test([], []) == 1.0
+
+
+def test_markdown_renders_results_of_the_previous_bench_version():
+    shipped = Path(__file__).parents[1] / "model_cards/results/smollm2-135m-cpu/bench.json"
+    if not shipped.is_file():
+        pytest.skip("shipped bench results not present")
+    table = markdown_table(json.loads(shipped.read_text()))
+    assert "| all | xpress |" in table and "| - | - |" in table
 
 
 def test_benchmark_sets_load_in_seeded_order():
@@ -63,5 +134,7 @@ def test_bad_bench_inputs(tmp_path):
     bad.write_text('{"text": "hi"}\n')
     with pytest.raises(ValueError, match="needs a `prompt` string or a `messages` list"):
         load_prompts(BenchConfig(prompts=str(bad)))
+    with pytest.raises(ValueError, match="Unknown method 'beam'; choose from ar, ar_static"):
+        _method_runs(BenchConfig(methods=["ar", "beam"]), speculator=None, max_cache_len=64)
     with pytest.raises(FileNotFoundError, match="--data-dir"):
         load_prompts(BenchConfig(data_dir=str(tmp_path / "nowhere"), datasets=["gsm8k"]))

@@ -44,3 +44,15 @@ def test_generate_output_has_the_cache_field():
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
     assert _compat.generate_output_cache_field() in {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)}
+
+
+def test_auto_compile_rule_is_reachable():
+    from transformers import GenerationConfig, LlamaConfig, StaticCache
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    cache = StaticCache(config=model.config, max_cache_len=8)
+    assert not _compat.forward_compiled(model, GenerationConfig(), cache)  # CPU: transformers does not compile
+    forced = GenerationConfig(compile_config=_compat.compile_config_for_all_devices())
+    assert _compat.forward_compiled(model, forced, cache)
+    assert not _compat.forward_compiled(model, forced, DynamicCache())

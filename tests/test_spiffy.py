@@ -293,22 +293,13 @@ def test_spiffy_on_the_native_diffusion_lm(family):
 def test_calibrate_command_on_real_prompts(tmp_path):
     """`hf-specdiff calibrate` end to end: MATH-500 + MBPP prompts through the SmolLM2 chat template, a small random
     diffusion LM with SmolLM2's vocabulary, and a graph that loads back and drives Spiffy."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from conftest import require_bench_data, small_dlm_with_smollm_tokenizer
 
-    from hf_specdiff.bench import find_data_dir
     from hf_specdiff.cli import main
-    from hf_specdiff.diffusion import AutoDiffusionLM, DiffusionLM
+    from hf_specdiff.diffusion import AutoDiffusionLM
 
-    try:
-        find_data_dir(None)
-    except FileNotFoundError:
-        pytest.skip("benchmark data (shared/data) not available")
-    tokenizer = AutoTokenizer.from_pretrained(hf_specdiff.embedded.default_target_path())
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
-    DiffusionLM.from_causal_lm(base, mask_token_id=16, shift_logits=True).save_pretrained(tmp_path / "dlm")
-    tokenizer.save_pretrained(tmp_path / "dlm")
+    require_bench_data()
+    tokenizer = small_dlm_with_smollm_tokenizer(tmp_path / "dlm")
     main(["calibrate", "--model", str(tmp_path / "dlm"), "--output", str(tmp_path / "graph"), "--limit", "2",
           "--max-new-tokens", "16", "--block-length", "8", "--cache", "dual", "--num-nodes", "8"])
     graph = DraftGraph.from_pretrained(tmp_path / "graph")
