@@ -104,17 +104,15 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, progress
 
     from .bench import _environment, prompt_messages
     from .candidates import synchronize
-    from .diffusion import AutoDiffusionLM, diffusion_generate
+    from .diffusion import AutoDiffusionLM, diffusion_generate, load_tokenizer
     from .spiffy import DraftGraph
 
     dtype = getattr(torch, config.dtype)
     if model is None:
         if config.target is None:
             raise ValueError("Diffusion benchmarks need --target: a diffusion LM folder or Hub id.")
-        from transformers import AutoTokenizer
-
         model = AutoDiffusionLM.from_pretrained(config.target, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(config.target)
+        tokenizer = load_tokenizer(config.target)
     model = model.to(config.device).eval()
     configs = _decoding_configs(config)
     if any(m.startswith("spiffy") for m in configs) and graph is None:

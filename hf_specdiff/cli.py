@@ -1,4 +1,4 @@
-"""`hf-specdiff` command line: distill, train, bench, demo, export, calibrate. Options mirror the dataclasses they fill (one default each)."""
+"""`hf-specdiff` command line: distill, train, train-diffusion, bench, demo, export, calibrate. Options mirror the dataclasses they fill (one default each)."""
 
 from __future__ import annotations
 
@@ -90,6 +90,51 @@ def demo(prompt: str, max_new_tokens: int, speculator_path: str | None, device: 
     print(f"({device}, {target.dtype}; tau = tokens per target forward, bonus token included)")
 
 
+def demo_diffusion(prompt: str, model_path: str | None, graph_path: str | None, max_new_tokens: int,
+                   block_length: int, threshold: float, device: str) -> None:
+    """A masked diffusion LM: watch one block fill in forward by forward, then compare decoding methods: forward
+    passes (NFE), tokens/s, and whether Spiffy's output is identical to the decoding it speeds up."""
+    import time
+
+    import torch
+    from .diffusion import AutoDiffusionLM, DiffusionGenerationConfig, diffusion_generate, load_tokenizer
+    from .spiffy import DraftGraph
+
+    if model_path is None:
+        raise SystemExit("--model is required: a diffusion LM folder (e.g. one trained with `hf-specdiff "
+                         "train-diffusion`); no diffusion LM is shipped with this version.")
+    model = AutoDiffusionLM.from_pretrained(model_path, device=device)
+    tokenizer = load_tokenizer(model_path)
+    graph = DraftGraph.from_pretrained(graph_path or model_path)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"].to(device)
+    mask_id = model.mask_token_id
+
+    def show(block, answer):  # one line per forward: decided tokens, and a shaded cell per masked one
+        cells = answer[0, block * block_length :]
+        text = "".join("\u2591" if t == mask_id else tokenizer.decode([t]).replace("\n", "\u23ce") for t in cells.tolist())
+        print(f"block {block} | {text}", flush=True)
+
+    print(f"\n> {prompt}\n\nSpiffy + threshold unmasking, one line per forward pass:")
+    options = dict(max_new_tokens=max_new_tokens, block_length=block_length, cache="dual")
+    diffusion_generate(model, ids, config=DiffusionGenerationConfig(**options, threshold=threshold), draft_graph=graph,
+                       eos_token_id=tokenizer.eos_token_id, on_forward=show)
+    rows, outputs = [], {}
+    for name, thresh, spiffy in (("steps", None, None), ("threshold", threshold, None), ("spiffy", None, graph),
+                                 ("spiffy+threshold", threshold, graph)):
+        config = DiffusionGenerationConfig(**options, threshold=thresh)
+        start = time.perf_counter()
+        out = diffusion_generate(model, ids, config=config, draft_graph=spiffy, eos_token_id=tokenizer.eos_token_id)
+        seconds = time.perf_counter() - start
+        outputs[name] = out.sequences
+        base = {"spiffy": "steps", "spiffy+threshold": "threshold"}.get(name)
+        same = "" if base is None else ("yes" if torch.equal(outputs[base], out.sequences) else "NO")
+        rows.append((name, out.nfe, (out.sequences.shape[1] - ids.shape[1]) / seconds, same))
+    print(f"\n{'method':<17} {'NFE':>5} {'tokens/s':>9}  identical to the same decoding without Spiffy")
+    for name, nfe, speed, same in rows:
+        print(f"{name:<17} {nfe:>5} {speed:>9.1f}  {same}")
+
+
 def export(args) -> None:
     from pathlib import Path
 
@@ -140,10 +185,9 @@ def calibrate(args) -> None:
     from pathlib import Path
 
     import torch
-    from transformers import AutoTokenizer
 
     from .bench import BenchConfig, load_prompts
-    from .diffusion import AutoDiffusionLM, DiffusionGenerationConfig
+    from .diffusion import AutoDiffusionLM, DiffusionGenerationConfig, load_tokenizer
     from .spiffy import calibrate as calibrate_graph
 
     options = _dataclass_from_args(CalibrateConfig, args)
@@ -151,7 +195,7 @@ def calibrate(args) -> None:
     if not options.model:
         raise SystemExit("--model is required: a diffusion LM folder or Hub id.")
     model = AutoDiffusionLM.from_pretrained(options.model, dtype=getattr(torch, options.dtype), device=options.device)
-    tokenizer = AutoTokenizer.from_pretrained(options.tokenizer or options.model)
+    tokenizer = load_tokenizer(options.tokenizer or options.model)
     chats = load_prompts(BenchConfig(datasets=options.datasets, limit=options.limit, seed=options.prompt_seed,
                                      data_dir=options.data_dir))
     prompts = [tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
@@ -174,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     train_parser.add_argument("--config", help="JSON file with TrainConfig fields")
     _add_dataclass_arguments(train_parser, TrainConfig)
 
+    from .diffusion.training import DiffusionTrainConfig
+
+    train_diffusion_parser = commands.add_parser(
+        "train-diffusion", help="turn a causal LM (default: the embedded SmolLM2) into a masked diffusion LM (LoRA)")
+    train_diffusion_parser.add_argument("--config", help="JSON file with DiffusionTrainConfig fields")
+    _add_dataclass_arguments(train_diffusion_parser, DiffusionTrainConfig)
+
     from .distill import DistillConfig
 
     distill_parser = commands.add_parser("distill", help="the target answers real prompts: training data (resumable)")
@@ -191,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser.add_argument("--max-new-tokens", type=int, default=128)
     demo_parser.add_argument("--speculator", default=None, help="default: the speculator shipped for the embedded target")
     demo_parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    demo_parser.add_argument("--diffusion", action="store_true", help="a masked diffusion LM with Spiffy instead")
+    demo_parser.add_argument("--model", default=None, help="--diffusion: the diffusion LM folder")
+    demo_parser.add_argument("--draft-graph", default=None, help="--diffusion: default: the graph beside the model")
+    demo_parser.add_argument("--block-length", type=int, default=32)
+    demo_parser.add_argument("--threshold", type=float, default=0.9)
 
     export_parser = commands.add_parser("export", help="ship a trained speculator: cast, save, write its model card")
     export_parser.add_argument("--run", required=True, help="training output_dir (holds speculator/ and log.jsonl)")
@@ -233,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         result = (run_diffusion_bench if diffusion else run_bench)(config)
         write_outputs(result, config)
         print((diffusion_markdown_table if diffusion else markdown_table)(result))
+    elif args.command == "demo" and args.diffusion:
+        demo_diffusion(args.prompt, args.model, args.draft_graph, args.max_new_tokens, args.block_length,
+                       args.threshold, args.device)
     elif args.command == "demo":
         demo(args.prompt, args.max_new_tokens, args.speculator, args.device)
     elif args.command == "train":
@@ -241,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         config = _dataclass_from_args(TrainConfig, args)
         train(config)
         print(f"speculator written to {config.output_dir}/speculator")
+    elif args.command == "train-diffusion":
+        from .diffusion.training import train_diffusion
+
+        config = _dataclass_from_args(DiffusionTrainConfig, args)
+        train_diffusion(config)
+        print(f"diffusion LM written to {config.output_dir}/diffusion_lm (load it with AutoDiffusionLM.from_pretrained)")
     return 0
 
 

@@ -15,7 +15,8 @@ guess for free.
     verification one forward carries the real block and D* draft copies; a draft attends to the context and to
                  itself, never to the real block, and its K/V is never cached (`Canvas.forward`).
     acceptance   compute the real next state with the ordinary rule; if a draft equals it, the draft's logits are
-                 that state's distribution: apply the rule again and look for the next match (`accept_drafts`).
+                 that state's distribution: apply the rule again and look for the next match (`accept_drafts`),
+                 a chain through the graph.
 
 Every emitted token comes from the model's own distribution through the same rule with the same noise, so the
 output equals ordinary decoding whenever draft logits equal a separate forward on the draft state: on block-causal
@@ -249,6 +250,10 @@ def propose_drafts(graph: DraftGraph, state, in_hand, mask_token_id: int, config
 
 def accept_drafts(unmask, state, logits, step, drafts: Drafts, draft_logits, mask_token_id: int):
     """Take the real step, then every further step whose state a draft already computed.
+
+    Each new state is compared with every kept draft not used yet, not only with the children of the last accepted
+    node as in the paper's walk: a draft equal to the real state is that state wherever it sits in the graph, so
+    this accepts at least as much, and stays lossless, for the cost of one batched comparison.
 
     Returns (new state (b, L), the distribution in hand for it (b, L, V), step (b,), drafts accepted (b,))."""
     b = state.shape[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import torch
 from conftest import require_bench_data, small_dlm_with_smollm_tokenizer
 
 from hf_specdiff.bench import BenchConfig, load_rows
@@ -39,6 +40,23 @@ def test_diffusion_bench_end_to_end(tmp_path):
         datasets=["math500", "mbpp"], limit=2, seed=graph.calibration["prompt_seed"]))}
     measured = _rows_not_used_for_calibration(BenchConfig(datasets=["mbpp", "math500"], limit=30), graph)
     assert len(measured) == 60 and not calibration & {json.dumps(r, sort_keys=True) for _, r in measured}
+
+
+def test_diffusion_demo(tmp_path, capsys):
+    small_dlm_with_smollm_tokenizer(tmp_path / "dlm")
+    from hf_specdiff.diffusion import AutoDiffusionLM
+    from hf_specdiff.diffusion.decoding import DiffusionGenerationConfig
+    from hf_specdiff.spiffy import calibrate
+
+    model = AutoDiffusionLM.from_pretrained(tmp_path / "dlm")
+    prompts = [torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    calibrate(model, prompts, DiffusionGenerationConfig(max_new_tokens=16, block_length=8, cache="dual"),
+              num_nodes=8, progress=False).save_pretrained(tmp_path / "dlm")
+    main(["demo", "--diffusion", "--model", str(tmp_path / "dlm"), "--max-new-tokens", "16", "--block-length", "8",
+          "--threshold", "0.05", "--device", "cpu"])
+    printed = capsys.readouterr().out
+    assert printed.count("block 0 |") >= 2 and "\u2591" in printed  # the block fills in over several forwards
+    assert printed.count("  yes") == 2 and "NO" not in printed
 
 
 def test_accuracy_scorers():

@@ -130,7 +130,7 @@ def test_ordinary_decoding_matches_the_llada_reference_loop():
     x = torch.cat([prompt, torch.full((1, 16), MASK)], dim=1)
     with torch.no_grad():
         for block in range(2):
-            lo, hi = prompt.shape[1] + 8 * block, prompt.shape[1] + 8 * (block + 1)
+            hi = prompt.shape[1] + 8 * (block + 1)
             for k in transfer_schedule(8, 4):
                 logits = model(x).logits.double()
                 logits[..., MASK] = -torch.inf  # the one deviation: never "unmask" into the mask token

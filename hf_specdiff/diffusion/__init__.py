@@ -12,7 +12,15 @@ from .decoding import (
     DiffusionGenerationConfig,
     diffusion_generate,
 )
-from .modeling import FAMILIES, AutoDiffusionLM, DiffusionLM, DiffusionLMConfig, DiffusionLMOutput, Family
+from .modeling import (
+    FAMILIES,
+    AutoDiffusionLM,
+    DiffusionLM,
+    DiffusionLMConfig,
+    DiffusionLMOutput,
+    Family,
+    load_tokenizer,
+)
 
 __all__ = [
     "CACHE_MODES",
@@ -27,4 +35,5 @@ __all__ = [
     "DiffusionLMOutput",
     "Family",
     "diffusion_generate",
+    "load_tokenizer",
 ]

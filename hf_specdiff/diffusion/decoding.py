@@ -315,11 +315,14 @@ def diffusion_generate(
     eos_token_id=None,
     recorder=None,
     streamer=None,
+    on_forward=None,
 ) -> DiffusionGenerateOutput:
     """Decode the answer of `model` (a DiffusionLM or DiffusionAdapter) for left-padded prompts.
 
     draft_graph: a `hf_specdiff.spiffy.DraftGraph` turns Spiffy on. recorder: called after every ordinary step as
     recorder(block, step, state_before, logits, state_after) (calibration records trajectories with it).
+    streamer: receives each finished block. on_forward: called after every forward as on_forward(block, answer),
+    answer = the answer canvas so far (b, n) with mask tokens where undecided (to watch the blocks fill in).
     """
     from .. import spiffy
 
@@ -368,6 +371,8 @@ def diffusion_generate(
             output.unmasked_per_forward.append(((state == mask_id) & (new_state != mask_id)).sum(-1).tolist())
             output.accepted_drafts.append(accepted.tolist())
             canvas.x[:, start:end] = new_state
+            if on_forward is not None:
+                on_forward(block, canvas.x[:, canvas.prompt_length : end])
         if streamer is not None:
             streamer.put(canvas.x[:, start:end].cpu())
         if config.stop_at_eos and eos is not None and bool(torch.isin(canvas.x[:, canvas.prompt_length : end], eos)

@@ -458,12 +458,19 @@ class DiffusionLM(PreTrainedModel):
     # ------------------------------------------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, dtype=None, device=None, **hub_kwargs):
+    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, dtype=None, device=None, base=None, **hub_kwargs):
         """Load a published LLaDA / Dream / SDAR / Llama checkpoint, or one saved by `save_pretrained`, from a local
         folder or a Hub repo id (offline, it must already be in the local Hub cache). `dtype` (torch dtype or its
         name) None: the dtype of the stored embedding. `hub_kwargs` go to `transformers.utils.cached_file`
-        (revision, cache_dir, token, local_files_only, ...)."""
+        (revision, cache_dir, token, local_files_only, ...).
+
+        A diffusion adapter folder written by `hf_specdiff.diffusion.training` (LoRA factors + [MASK] row + the name
+        of its base causal LM) loads too: the base is loaded, converted and the adapter merged in
+        (`adapter_weights.load_adapter_model`). `base` (a folder, Hub id or loaded causal LM) overrides the base it
+        names; it is for adapter folders only."""
         from transformers.utils import cached_file
+
+        from . import adapter_weights
 
         where = str(path_or_repo_id)
         try:
@@ -478,6 +485,10 @@ class DiffusionLM(PreTrainedModel):
             raise ValueError(f"{config_file} is not valid JSON ({error}); the checkpoint is corrupt.") from error
         if not isinstance(published, dict):
             raise ValueError(f"{config_file} must hold a JSON object; the checkpoint is corrupt.")
+        if adapter_weights.is_adapter_config(published):
+            return adapter_weights.load_adapter_model(where, published, dtype, device, base, hub_kwargs)
+        if base is not None:
+            raise ValueError(f"base= is for diffusion adapter folders only; {where} is a complete checkpoint.")
         family, config = _recognise(published, where)
         state = {family.rename(name) if family else name: t for name, t in _read_safetensors(where, hub_kwargs).items()}
         if isinstance(dtype, str):
@@ -592,9 +603,18 @@ def _read_safetensors(where: str, hub_kwargs: dict) -> dict[str, torch.Tensor]:
 
 
 class AutoDiffusionLM:
-    """Entry point: `AutoDiffusionLM.from_pretrained(path_or_repo_id, dtype=None, device=None, **hub_kwargs)`."""
+    """Entry point: `AutoDiffusionLM.from_pretrained(path_or_repo_id, dtype=None, device=None, base=None,
+    **hub_kwargs)`: a published checkpoint, one saved by `save_pretrained`, or a trained diffusion adapter."""
 
     def __init__(self):
         raise TypeError("Use AutoDiffusionLM.from_pretrained(...) or DiffusionLM.from_causal_lm(...).")
 
     from_pretrained = staticmethod(DiffusionLM.from_pretrained)
+
+
+def load_tokenizer(path_or_repo_id: str | os.PathLike, **kwargs):
+    """The tokenizer saved beside a diffusion LM. transformers' Auto classes do not know our config.json's
+    model_type, so the tokenizer is loaded without consulting it."""
+    from transformers import AutoTokenizer, PreTrainedConfig
+
+    return AutoTokenizer.from_pretrained(path_or_repo_id, config=PreTrainedConfig(), **kwargs)
