@@ -170,7 +170,12 @@ class DraftGraph:
                 for p in parents:
                     if p != ROOT:
                         children[p, n] = True
+            height = [0] * d  # longest path down to a leaf: a node's children all have a smaller height
+            for n in reversed(range(d)):
+                height[n] = 1 + max((height[c] for c in children[n].nonzero()[:, 0].tolist()), default=-1)
             self._tensors[device] = {
+                "levels": [torch.tensor([n for n in range(d) if height[n] == h], device=device)
+                           for h in range(max(height) + 1)],
                 "pair_node": torch.tensor(pair_node, device=device),
                 "pair_i": torch.tensor([i for pairs in self.nodes for i, _ in pairs], device=device),
                 "pair_j": torch.tensor([j for pairs in self.nodes for _, j in pairs], device=device),
@@ -225,11 +230,12 @@ def propose_drafts(graph: DraftGraph, state, in_hand, mask_token_id: int, config
     # 2. Score: geometric mean of the node's own token probabilities and of its usable children's scores.
     local = torch.zeros(b, d, device=state.device, dtype=torch.float64).index_add_(1, g["pair_node"], log_prob)
     local = local / g["pairs_per_node"]
-    score = torch.full_like(local, -torch.inf)
-    for n in reversed(range(d)):  # children come after their parents
-        kids = g["children"][n] & node_usable
-        total = local[:, n] + torch.where(kids, score, 0.0).sum(dim=-1)
-        score[:, n] = torch.where(node_usable[:, n], total / (1 + kids.sum(dim=-1)), -torch.inf)
+    score = torch.zeros_like(local)
+    for level in g["levels"]:  # leaves first; a level's children are all scored already
+        kids = node_usable[:, None, :] & g["children"][level][None]  # (b, |level|, d)
+        total = local[:, level] + (kids * score[:, None, :]).sum(dim=-1)
+        score[:, level] = total / (1 + kids.sum(dim=-1))
+    score = score.masked_fill(~node_usable, -torch.inf)
 
     # 3. Prune to D* nodes that stay connected to the current state, best score first.
     available = g["from_root"][None] & node_usable
