@@ -7,6 +7,8 @@ that range, so an upgrade shows which of these facts to re-check:
 - `GenerateDecoderOnlyOutput` names its cache field `past_key_values` in 5.17 and `cache` in 5.24.
 - `Cache.crop(n)` with n < 0 removes |n| tokens in both; a positive n (old meaning: final length) is deprecated in
   5.17 and raises in 5.24, so we only ever pass negative counts.
+- `DynamicCache.layers[i]` holds `keys` / `values` tensors (batch, kv_heads, slots, head_dim) in both (a layer not
+  filled yet has none); batched speculation gathers slots per row there (`gather_cache_slots`).
 - The native dFlash candidate generator reads `hidden_states[i]` for each of the drafter's `target_layer_ids` in
   5.17 and `hidden_states[i + 1]` in 5.24 (index 0 is the embeddings; z-lab's convention is i + 1).
 - `GenerationMixin._valid_auto_compile_criteria(model_kwargs, generation_config)` decides whether `generate`
@@ -60,6 +62,17 @@ def crop_cache(cache, num_tokens_to_remove: int) -> None:
         raise ValueError(f"cannot remove a negative number of tokens ({num_tokens_to_remove}).")
     if num_tokens_to_remove:
         cache.crop(-num_tokens_to_remove)
+
+
+def gather_cache_slots(cache, index) -> None:
+    """Keep, for each row r, the cache slots `index[r]` (b, n), in that order, in every layer of a dynamic cache."""
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        if keys is None or keys.numel() == 0:
+            continue
+        slots = index.to(keys.device)[:, None, :, None]  # broadcast over heads and head_dim
+        layer.keys = keys.take_along_dim(slots, dim=2)
+        layer.values = layer.values.take_along_dim(slots, dim=2)
 
 
 def generate_output_cache_field() -> str:

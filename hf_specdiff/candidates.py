@@ -27,6 +27,7 @@ from transformers.generation.logits_process import (
 )
 
 from . import _compat
+from .batching import RowBatch, append_ragged, last_tokens
 from .markov import markov_decode
 from .xpress import jacobi_refine
 
@@ -44,18 +45,43 @@ _POSITION_FREE_PROCESSORS = (
 
 
 def process_logits(
-    processors: LogitsProcessorList | None, sequence: torch.LongTensor, logits: torch.Tensor, first: int
+    processors: LogitsProcessorList | None,
+    sequence: torch.LongTensor,
+    logits: torch.Tensor,
+    first: int | list[int],
+    rows: RowBatch | None = None,
 ) -> torch.Tensor:
     """Apply `processors` to a run of positions: `logits[:, i]` (b, n, V) is scored with the prefix
-    `sequence[:, :first + i]`, exactly as plain `generate` would score it there. Returns float32 (b, n, V)."""
+    `sequence[:, :first + i]`, exactly as plain `generate` would score it there. Returns float32 (b, n, V).
+
+    Batched decoding: `first` holds one int per row when rows differ in length (`sequence` is then right-filled past
+    each row's end), and `rows` says which row of the original batch each row is. Processors are always called with
+    the whole original batch, every row in its place (some keep per-row state, e.g. the repetition penalty's prompt
+    padding); rows with nothing to score at that length are filler, and their output is dropped."""
     logits = logits.float()
     if not processors:
         return logits
     b, n, vocab = logits.shape
+    starts = [first] * b if isinstance(first, int) else list(first)
     if all(isinstance(p, _POSITION_FREE_PROCESSORS) for p in processors):
-        flat_prefix = sequence[:, :first].repeat_interleave(n, dim=0)
+        flat_prefix = sequence[:, : min(starts)].repeat_interleave(n, dim=0)
         return processors(flat_prefix, logits.reshape(b * n, vocab)).view(b, n, vocab)
-    return torch.stack([processors(sequence[:, : first + i], logits[:, i]) for i in range(n)], dim=1)
+    if len(set(starts)) == 1 and (rows is None or len(rows.rows) == rows.batch_size):
+        return torch.stack([processors(sequence[:, : starts[0] + i], logits[:, i]) for i in range(n)], dim=1)
+    # One call per prefix length, over the (row, position) pairs that share it.
+    index, batch_size = (rows.rows, rows.batch_size) if rows is not None else (list(range(b)), b)
+    by_length: dict[int, list[tuple[int, int]]] = {}
+    for row, start in enumerate(starts):
+        for i in range(n):
+            by_length.setdefault(start + i, []).append((row, i))
+    processed = torch.empty_like(logits)
+    for length, pairs in sorted(by_length.items()):
+        row, position = torch.tensor(pairs, device=logits.device).T
+        place = torch.tensor([index[r] for r, _ in pairs], device=logits.device)  # rows of the original batch
+        prefixes = sequence.new_zeros(batch_size, length).index_copy(0, place, sequence[row, :length])
+        scores = logits.new_zeros(batch_size, vocab).index_copy(0, place, logits[row, position])
+        processed[row, position] = processors(prefixes, scores)[place]
+    return processed
 
 
 class DraftPicker:
@@ -70,21 +96,31 @@ class DraftPicker:
         self.processors = processors
         self.do_sample = do_sample
         self.prefix: torch.LongTensor | None = None
+        self.rows: RowBatch | None = None
         self.gumbel: torch.Tensor | None = None
 
-    def start_block(self, prefix: torch.LongTensor, num_slots: int, vocab_size: int) -> None:
-        self.prefix = prefix
+    def start_block(self, prefix: torch.LongTensor, num_slots: int, vocab_size: int, rows: RowBatch | None = None):
+        """prefix (b, L): the sequence the block continues; `rows` when its rows end at different places (row i is
+        `prefix[i, :rows.lengths[i]]`) or some rows of the batch have finished, None when every row is full."""
+        self.prefix, self.rows = prefix, rows
         if self.do_sample:
             exponential = torch.empty(prefix.shape[0], num_slots, vocab_size, device=prefix.device).exponential_()
             self.gumbel = -exponential.log()
+
+    @property
+    def lengths(self) -> list[int] | None:
+        return None if self.rows is None else self.rows.lengths
+
+    def _first(self, offset: int = 0) -> int | list[int]:
+        return self.prefix.shape[1] + offset if self.rows is None else [n + offset for n in self.rows.lengths]
 
     def _choose(self, processed: torch.Tensor, slots: slice | int) -> torch.LongTensor:
         return (processed + self.gumbel[:, slots] if self.do_sample else processed).argmax(dim=-1)
 
     def pick_slot(self, logits: torch.Tensor, slot: int, earlier: torch.LongTensor):
         """One slot: logits (b, V); `earlier` (b, slot) are the block tokens before it."""
-        sequence = torch.cat([self.prefix, earlier], dim=1)
-        processed = process_logits(self.processors, sequence, logits[:, None], sequence.shape[1])[:, 0]
+        sequence = append_ragged(self.prefix, self.lengths, earlier)
+        processed = process_logits(self.processors, sequence, logits[:, None], self._first(slot), self.rows)[:, 0]
         return self._choose(processed, slot), processed
 
     def __call__(self, logits: torch.Tensor, assumed: torch.LongTensor | None):
@@ -93,8 +129,8 @@ class DraftPicker:
         if assumed is not None or not self.processors or all(
             isinstance(p, _POSITION_FREE_PROCESSORS) for p in self.processors
         ):
-            context = self.prefix if assumed is None else torch.cat([self.prefix, assumed], dim=1)
-            processed = process_logits(self.processors, context, logits, self.prefix.shape[1])
+            context = self.prefix if assumed is None else append_ragged(self.prefix, self.lengths, assumed)
+            processed = process_logits(self.processors, context, logits, self._first(), self.rows)
             return self._choose(processed, slice(0, logits.shape[1])), processed
         tokens, processed = [], []
         for slot in range(logits.shape[1]):
@@ -107,23 +143,52 @@ class DraftPicker:
 
 @dataclass
 class SpeculationStats:
-    """What speculation did during one `generate` call (returned with `return_dict_in_generate=True`)."""
+    """What speculation did during one `generate` call (returned with `return_dict_in_generate=True`).
+
+    One verify step of one row is one entry of `accepted_lengths` / `drafted_lengths`: with a batch, a target forward
+    verifies every unfinished row at once and adds one entry per row (step by step, rows in batch order), so `tau` stays
+    the mean number of tokens a row gains per target forward. `row_accepted_lengths[r]` / `row_drafted_lengths[r]`
+    hold row r's own entries (`row_tau[r]` their mean); `target_forwards` counts batched forwards.
+    """
 
     method: str
-    accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step, bonus included
-    drafted_lengths: list[int] = field(default_factory=list)  # draft tokens offered per verify step
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step and row, bonus included
+    drafted_lengths: list[int] = field(default_factory=list)  # draft tokens offered per verify step and row
     drafted_tokens: int = 0
     accepted_tokens: int = 0  # draft tokens the target accepted (bonus tokens excluded)
-    target_forwards: int = 0  # prefill included
-    refine_passes: list[int] = field(default_factory=list)  # Jacobi passes per block (xpress)
+    target_forwards: int = 0  # prefill included; one per verify step, whatever the batch size
+    refine_passes: list[int] = field(default_factory=list)  # Jacobi passes per (batched) block (xpress)
     draft_seconds: float = 0.0
     refine_seconds: float = 0.0
     verify_seconds: float = 0.0
+    batch_size: int = 1
+    row_accepted_lengths: list[list[int]] = field(default_factory=list)  # per row of the batch: its accepted_lengths
+    row_drafted_lengths: list[list[int]] = field(default_factory=list)  # per row of the batch: its drafted_lengths
+
+    def __post_init__(self):
+        self.row_accepted_lengths = self.row_accepted_lengths or [[] for _ in range(self.batch_size)]
+        self.row_drafted_lengths = self.row_drafted_lengths or [[] for _ in range(self.batch_size)]
+
+    def add_step(self, rows: list[int], emitted: list[int], drafted: list[int], accepted: list[int]) -> None:
+        """One verify step: `rows` are the batch rows it verified; row i emitted `emitted[i]` tokens (after any stop)
+        out of `drafted[i]` drafts offered (those that fit before its max length), `accepted[i]` of which the target
+        accepted."""
+        for row, num_emitted, num_drafted, num_accepted in zip(rows, emitted, drafted, accepted):
+            self.accepted_lengths.append(num_emitted)
+            self.drafted_lengths.append(num_drafted)
+            self.accepted_tokens += min(num_accepted, num_emitted)
+            self.row_accepted_lengths[row].append(num_emitted)
+            self.row_drafted_lengths[row].append(num_drafted)
 
     @property
     def tau(self) -> float:
-        """Mean accepted length per verify step, bonus token included."""
+        """Mean accepted length per verify step and row, bonus token included: tokens per target forward per row."""
         return sum(self.accepted_lengths) / max(len(self.accepted_lengths), 1)
+
+    @property
+    def row_tau(self) -> list[float]:
+        """`tau` of each row of the batch."""
+        return [sum(lengths) / max(len(lengths), 1) for lengths in self.row_accepted_lengths]
 
     @property
     def acceptance_rate(self) -> float:
@@ -154,6 +219,10 @@ class SpeculationStats:
             "draft_seconds": self.draft_seconds,
             "refine_seconds": self.refine_seconds,
             "verify_seconds": self.verify_seconds,
+            "batch_size": self.batch_size,
+            "row_tau": self.row_tau,
+            "row_accepted_lengths": [list(lengths) for lengths in self.row_accepted_lengths],
+            "row_drafted_lengths": [list(lengths) for lengths in self.row_drafted_lengths],
         }
 
 
@@ -199,31 +268,50 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
 
     @torch.no_grad()
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
-                       n_last_matches=0, **kwargs):
+                       n_last_matches=0, rows: RowBatch | None = None, **kwargs):
         """input_ids (b, L) ends with the anchor (the target's last token, not yet in its cache). Returns
-        (candidate ids (b, L + n), q (b, n, V)); `(input_ids, None)` when nothing can be drafted."""
+        (candidate ids (b, L + n), q (b, n, V)); `(input_ids, None)` when nothing can be drafted.
+
+        Batched decoding passes `rows` (`input_ids` is `rows.tokens`): row i is `input_ids[i, :rows.lengths[i]]`,
+        anchor last, filler after it, and its candidates are written right after it. `rows.context_mask()` (b, S)
+        marks which of the target cache's S slots hold a token of each row (0: padding or a rejected draft; None: all,
+        slot j holding token j). The drafter's cache mirrors the target's slot for slot, so the same mask serves both;
+        the features of the slots added since the last call are the first ones of `model_outputs.hidden_states`."""
         # The first call comes before the target's prefill: there are no hidden states to draft from yet.
         if is_first_iteration:
             return input_ids, None
-        num_drafts = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)
+        batch, width = input_ids.shape
+        lengths = rows.lengths if rows is not None else [width] * batch
+        num_drafts = min(self.block_size - 1, self.max_length - min(lengths) - 1)  # the row with most room left
         if num_drafts <= 0:
             return input_ids, None
         if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
             raise ValueError("BlockDiffusionCandidateGenerator needs the target's hidden states of its last forward.")
+        context_mask = rows.context_mask() if rows is not None else None
+        sequence_lengths = rows.lengths if rows is not None else None
 
         # 1. Draft: features of the tokens the target just verified (all but the anchor), then one drafter pass.
         synchronize(self.device)
         start = time.perf_counter()
-        length = input_ids.shape[1]
-        num_new = length - 1 - self.cache.get_seq_length()  # verified tokens whose features are not cached yet
+        context_length = width - 1 if context_mask is None else context_mask.shape[1]  # target cache slots
+        num_new = context_length - self.cache.get_seq_length()  # slots whose features are not cached yet
         features = self.drafter.context_features(model_outputs.hidden_states, num_new).to(self.device)
-        block_ids = torch.full((input_ids.shape[0], self.block_size), self.mask_token_id, device=input_ids.device)
-        block_ids[:, 0] = input_ids[:, -1]
-        positions = torch.arange(length - 1 - num_new, length - 1 + self.block_size, device=self.device)
+        block_ids = torch.full((batch, self.block_size), self.mask_token_id, device=input_ids.device)
+        block_ids[:, 0] = last_tokens(input_ids, sequence_lengths, 1)[:, 0]
+        attention_mask = None
+        if context_mask is None:
+            positions = torch.arange(context_length - num_new, context_length + self.block_size, device=self.device)
+            positions = positions.expand(batch, -1)
+        else:  # a slot's position is the number of the row's tokens before it; the anchor follows the last one
+            seen = context_mask.to(self.device).cumsum(dim=1)  # (b, S)
+            block = torch.arange(self.block_size, device=self.device)
+            positions = torch.cat([(seen[:, context_length - num_new :] - 1).clamp(min=0), seen[:, -1:] + block], 1)
+            attention_mask = torch.cat([context_mask, context_mask.new_ones(batch, self.block_size)], 1).to(self.device)
         hidden = self.drafter(
             noise_embeds=self.embed_tokens(block_ids).to(self.device),
             context_hidden_states=features,
-            position_ids=positions.expand(input_ids.shape[0], -1),
+            position_ids=positions,
+            attention_mask=attention_mask,
             cache=self.cache,
         ).last_hidden_state
         _compat.crop_cache(self.cache, self.block_size)  # keep context K/V only
@@ -233,19 +321,25 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
 
         # 2. Resolve the block: marginals (dflash), Jacobi refinement (xpress) or left to right (markov).
         start = time.perf_counter()
-        self.picker.start_block(input_ids, self.block_size - 1, drafter_logits.shape[-1])
+        self.picker.start_block(input_ids, self.block_size - 1, drafter_logits.shape[-1], rows)
         if self.method == "xpress":
+            anchors = last_tokens(input_ids, sequence_lengths, 2)  # (b, 2): the token before the anchor, the anchor
             tokens, q, passes = jacobi_refine(
-                self.refiner, drafter_logits, hidden, input_ids[:, -2:], self.picker, self.num_jacobi_passes
+                self.refiner, drafter_logits, hidden, anchors, self.picker, self.num_jacobi_passes
             )
             self.stats.refine_passes.append(passes)
         elif self.method == "markov":
-            tokens, q = markov_decode(self.markov_head, drafter_logits, input_ids[:, -1], self.picker.pick_slot)
+            anchor = last_tokens(input_ids, sequence_lengths, 1)[:, 0]
+            tokens, q = markov_decode(self.markov_head, drafter_logits, anchor, self.picker.pick_slot)
         else:
             tokens, q = self.picker(drafter_logits, None)
         synchronize(self.device)
         self.stats.refine_seconds += time.perf_counter() - start
 
-        self.stats.drafted_tokens += num_drafts
-        candidate_ids = torch.cat([input_ids, tokens[:, :num_drafts].to(input_ids.device)], dim=1)
+        self.stats.drafted_tokens += sum(min(num_drafts, self.max_length - n - 1) for n in lengths)  # usable drafts
+        candidate_ids = append_ragged(input_ids, sequence_lengths, tokens[:, :num_drafts].to(input_ids.device))
         return candidate_ids, q[:, :num_drafts]
+
+    def select_rows(self, index: torch.LongTensor) -> None:
+        """Keep only these rows of the batch (finished rows leave it)."""
+        self.cache.batch_select_indices(index.to(self.device))

@@ -9,7 +9,9 @@ loop is ours, passed to `generate` as a `custom_generate` callable. The loop is 
     prefill -> [draft block -> resolve block (xpress / markov / dflash) -> verify in one target forward
                 -> accept a prefix + one bonus token -> roll back the target cache] until a stop criterion fires
 
-Greedy output equals the target's own greedy output; sampled output follows the target's distribution.
+Greedy output equals the target's own greedy output; sampled output follows the target's distribution. Batches of any
+size with left-padded prompts: each row accepts and finishes on its own, and the output equals plain batched
+`generate` (per-row cache bookkeeping in `batching.py`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from transformers.generation.stopping_criteria import (
     StoppingCriteriaList,
     StopStringCriteria,
 )
+from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import _compat
+from .batching import RowBatch
 from .candidates import BlockDiffusionCandidateGenerator, SpeculationStats, process_logits, synchronize
 
 SPECULATION_METHODS = ("xpress", "dflash", "markov")
@@ -37,7 +41,10 @@ SPECULATION_METHODS = ("xpress", "dflash", "markov")
 
 @dataclass
 class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
-    """`GenerateDecoderOnlyOutput` plus `speculation`: accepted lengths, counts, target forwards and timings."""
+    """`GenerateDecoderOnlyOutput` plus `speculation`: accepted lengths, counts, target forwards and timings.
+
+    With a batch, `scores` / `logits` of a row that has finished put all mass on pad_token_id (the token it is padded
+    with), and the cache is None: the target cache's per-row layout (holes, dropped rows) is internal to the loop."""
 
     speculation: SpeculationStats | None = None
 
@@ -48,19 +55,21 @@ class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
 
 
 def verify_greedy(target_scores: torch.Tensor, candidates: torch.LongTensor):
-    """target_scores (b, n+1, V) processed; candidates (b, n). Accept the longest prefix the target's argmax agrees
-    with, then the target's own token at the first disagreement (or after the last candidate) as the bonus."""
+    """target_scores (b, n+1, V) processed; candidates (b, n). Per row, accept the longest prefix the target's argmax
+    agrees with, then the target's own token at the first disagreement (or after the last candidate) as the bonus.
+
+    Returns (tokens (b, n+1), num_accepted (b,)): row r emits `tokens[r, :num_accepted[r] + 1]`."""
     choice = target_scores.argmax(dim=-1)  # (b, n+1)
-    num_accepted = int((candidates == choice[:, :-1]).int().cumprod(dim=1).sum(dim=1)[0])
-    return torch.cat([candidates[:, :num_accepted], choice[:, num_accepted : num_accepted + 1]], dim=1), num_accepted
+    num_accepted = (candidates == choice[:, :-1]).int().cumprod(dim=1).sum(dim=1)  # (b,)
+    return choice, num_accepted  # accepted candidates equal the target's choice: `choice` is each row's run + bonus
 
 
 def verify_sampling(target_scores: torch.Tensor, draft_scores: torch.Tensor, candidates: torch.LongTensor):
-    """Speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023).
+    """Speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023), every row on its own.
 
     Draft token x_i ~ q_i is kept with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the token is
     resampled from norm(max(0, p_i - q_i)); if all n are kept, a bonus token is drawn from p_{n+1}. Every emitted
-    token is then distributed exactly as p, whatever q is.
+    token is then distributed exactly as p, whatever q is. Returns what `verify_greedy` returns.
     """
     n = candidates.shape[1]
     p = target_scores.softmax(dim=-1)  # (b, n+1, V)
@@ -68,37 +77,61 @@ def verify_sampling(target_scores: torch.Tensor, draft_scores: torch.Tensor, can
     p_x = p[:, :n].gather(-1, candidates[..., None])[..., 0]
     q_x = q.gather(-1, candidates[..., None])[..., 0]
     keep = torch.rand_like(p_x) * q_x < p_x  # u < p/q without dividing by a zero q
-    num_accepted = int(keep.int().cumprod(dim=1).sum(dim=1)[0])
-    if num_accepted < n:
-        residual = (p[:, num_accepted] - q[:, num_accepted]).clamp(min=0)
-        residual = residual if bool(residual.sum() > 0) else p[:, num_accepted]
-        bonus = torch.multinomial(residual / residual.sum(dim=-1, keepdim=True), 1)
-    else:
-        bonus = torch.multinomial(p[:, n], 1)
-    return torch.cat([candidates[:, :num_accepted], bonus], dim=1), num_accepted
+    num_accepted = keep.int().cumprod(dim=1).sum(dim=1)  # (b,)
+    # Row r draws its last token at position k = num_accepted[r] from norm(max(0, p_k - q_k)), with q_{n+1} = 0.
+    at = num_accepted[:, None, None].expand(-1, 1, p.shape[-1])
+    p_k = p.gather(1, at)[:, 0]  # (b, V)
+    q_k = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1).gather(1, at)[:, 0]
+    residual = (p_k - q_k).clamp(min=0)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_k)
+    bonus = torch.multinomial(residual / residual.sum(dim=-1, keepdim=True), 1)  # (b, 1)
+    return torch.cat([candidates, bonus], dim=1).scatter(1, num_accepted[:, None], bonus), num_accepted
 
 
-def first_stop(new_tokens, sequence, stopping_criteria, generation_config, scores) -> int | None:
-    """Index (into new_tokens) of the token at which plain `generate` would have stopped, or None.
+def first_stop(new_tokens, emitted, rows, stopping_criteria, generation_config, scores=None):
+    """Per row, the index (into its new tokens) of the token at which plain `generate` would have stopped, or None.
 
-    `sequence` already ends with `new_tokens`. EOS and max length are checked on the whole run at once; any other
-    criterion (stop strings, user criteria) is asked for every prefix, as plain decoding would ask it."""
-    n, length = new_tokens.shape[1], sequence.shape[1]
-    stops = []
+    Row i emitted `new_tokens[i, :emitted[i]]`, and `rows.tokens[i, :rows.lengths[i]]` already ends with them. EOS and
+    max length are checked on the whole run at once; any other criterion (stop strings, user criteria) is asked for
+    every prefix, as plain decoding would ask it: one call per prefix length, with the whole original batch, each
+    row in its place (`rows.rows`), rows without a prefix of that length as filler."""
+    lengths = rows.lengths
+    stops: list[list[int]] = [[] for _ in emitted]
     if (eos := generation_config._eos_token_tensor) is not None:
-        hits = torch.isin(new_tokens[0], eos.to(new_tokens.device)).nonzero()
-        if hits.numel():
-            stops.append(int(hits[0, 0]))
-    if generation_config.max_length is not None and length >= generation_config.max_length:
-        stops.append(n - 1 - (length - generation_config.max_length))
+        hits = torch.isin(new_tokens, eos.to(new_tokens.device))  # (b, m)
+        first_hit = torch.where(hits.any(dim=1), hits.int().argmax(dim=1), new_tokens.shape[1]).tolist()
+        for row, (hit, n) in enumerate(zip(first_hit, emitted)):
+            if hit < n:
+                stops[row].append(hit)
+    if (max_length := generation_config.max_length) is not None:
+        for row, (length, n) in enumerate(zip(lengths, emitted)):
+            if length >= max_length:
+                stops[row].append(n - 1 - (length - max_length))
     others = [c for c in stopping_criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
-    if others:
-        for i in range(min(stops, default=n)):
-            prefix = sequence[:, : length - n + i + 1]
-            if any(bool(c(prefix, scores).any()) for c in others):
-                stops.append(i)
-                break
-    return min(stops) if stops else None
+    if not others:
+        return [min(found) if found else None for found in stops]
+    starts = [length - n for length, n in zip(lengths, emitted)]  # prefix length before the new tokens
+    ends = [start + min(found, default=n) for start, found, n in zip(starts, stops, emitted)]  # last prefix to ask
+    whole = len(rows.rows) == rows.batch_size
+    pending = set(range(len(emitted)))
+    for prefix_length in range(min(starts) + 1, max(ends) + 1):
+        asked = [i for i in sorted(pending) if starts[i] < prefix_length <= ends[i]]
+        if not asked:
+            continue
+        if whole and len(asked) == len(emitted):
+            prefix, place = rows.tokens[:, :prefix_length], asked
+        else:
+            place = [rows.rows[i] for i in asked]  # rows of the original batch
+            prefix = rows.tokens.new_zeros(rows.batch_size, prefix_length)
+            prefix[place] = rows.tokens[asked, :prefix_length]
+        fired = torch.zeros(prefix.shape[0], dtype=torch.bool, device=prefix.device)
+        for criterion in others:
+            fired = fired | torch.as_tensor(criterion(prefix, scores), dtype=torch.bool, device=prefix.device)
+        for i, hit in zip(asked, fired[place].tolist()):
+            if hit:
+                stops[i].append(prefix_length - starts[i] - 1)
+                pending.discard(i)
+    return [min(found) if found else None for found in stops]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -120,90 +153,98 @@ def speculative_decoding(
     num_jacobi_passes: int | None = None,
     **model_kwargs,
 ):
-    _check_decoding_inputs(model, input_ids, generation_config, model_kwargs)
+    """Any batch size, prompts left-padded. Each row accepts its own number of tokens per step and finishes on its own.
+
+    Caches (see `batching.py`): every verify forward's K/V stay in the target cache; slots past the longest accepted
+    run are cropped, the other rows' rejected slots are masked out by a 2D attention mask, with per-row position ids.
+    The drafter's cache mirrors the target's slot for slot. Both are compacted (each row's slots gathered, left-padded)
+    when holes fill more than half of them, and finished rows are dropped from the batch. A single row never has holes:
+    no mask, an exact crop, as in plain speculative decoding.
+    """
+    _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, logits_processor, streamer)
     do_sample = generation_config.do_sample
     want_dict = generation_config.return_dict_in_generate
     keep_scores = want_dict and generation_config.output_scores
     keep_logits = want_dict and generation_config.output_logits
-    scores, raw_logits = [], []
-    stats = SpeculationStats(method)
+    stats = SpeculationStats(method, batch_size=input_ids.shape[0])
     drafter = BlockDiffusionCandidateGenerator(
         model, speculator, method, generation_config, logits_processor, num_jacobi_passes, stats
     )
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     cache = DynamicCache() if cache is None else cache
+    has_eos_criterion = any(hasattr(c, "eos_token_id") for c in stopping_criteria)  # as plain `generate` decides
+    rows = RowBatch(input_ids, model_kwargs.get("attention_mask"), generation_config, pad_after_stop=has_eos_criterion)
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    outputs, num_accepted, first = None, 0, True
+    outputs, first = None, True
     while True:
-        length = input_ids.shape[1]
-        # 1. Draft and resolve a block (nothing on the first pass: the target has not run yet).
+        # 1. Draft and resolve a block per row (nothing on the first pass: the target has not run yet).
         candidate_ids, draft_scores = drafter.get_candidates(
-            input_ids, model_kwargs=model_kwargs, model_outputs=outputs, is_first_iteration=first,
-            n_last_matches=num_accepted,
+            rows.tokens, model_outputs=outputs, is_first_iteration=first, rows=rows
         )
-        candidates = candidate_ids[:, length:]
+        candidates = rows.new_tokens(candidate_ids)  # (b, n)
         num_drafts = candidates.shape[1]
 
-        # 2. Verify: one target forward over [anchor, candidates] (the whole prompt on the first pass).
+        # 2. Compact both caches (which now hold the same slots) once holes fill more than half of them.
+        rows.compact_if_sparse([cache, drafter.cache])
+
+        # 3. Verify: one target forward over each row's [anchor, candidates] (the padded prompts on the first pass).
         synchronize(input_ids.device)
         start = time.perf_counter()
-        fed = candidate_ids if first else candidate_ids[:, length - 1 :]
-        positions = torch.arange(candidate_ids.shape[1] - fed.shape[1], candidate_ids.shape[1], device=fed.device)
+        fed, positions, attention_mask = rows.verify_inputs(candidates, first)
         logits_kwargs = {"logits_to_keep": num_drafts + 1} if "logits_to_keep" in model_kwargs else {}
         outputs = model(
-            input_ids=fed, position_ids=positions[None], use_cache=True, output_hidden_states=True,
-            **logits_kwargs, **_compat.cache_kwargs(model, cache),
+            input_ids=fed, position_ids=positions, attention_mask=attention_mask, use_cache=True,
+            output_hidden_states=True, **logits_kwargs, **_compat.cache_kwargs(model, cache),
         )
         stats.target_forwards += 1
         target_logits = outputs.logits[:, -num_drafts - 1 :].float()  # (b, n+1, V)
-        target_scores = process_logits(logits_processor, candidate_ids, target_logits, length)
+        target_scores = process_logits(logits_processor, candidate_ids, target_logits, rows.lengths, rows)
 
-        # 3. Accept: the longest agreeing prefix plus one token from the target (greedy or speculative sampling).
-        if do_sample:
-            if num_drafts:
-                new_tokens, num_accepted = verify_sampling(target_scores, draft_scores, candidates)
-            else:
-                new_tokens, num_accepted = torch.multinomial(target_scores[:, 0].softmax(-1), 1), 0
+        # 4. Accept, per row: the longest agreeing prefix plus one token from the target (greedy or sampling).
+        if do_sample and num_drafts:
+            new_tokens, num_accepted = verify_sampling(target_scores, draft_scores, candidates)
+        elif do_sample:
+            new_tokens = torch.multinomial(target_scores[:, 0].softmax(-1), 1)
+            num_accepted = torch.zeros(new_tokens.shape[0], dtype=torch.long, device=new_tokens.device)
         else:
             new_tokens, num_accepted = verify_greedy(target_scores, candidates)
+        accepted = num_accepted.tolist()  # (b,) on the host
         synchronize(input_ids.device)
         stats.verify_seconds += time.perf_counter() - start
 
-        # 4. Stop where plain decoding would have stopped, even inside the accepted run.
-        input_ids = torch.cat([input_ids, new_tokens], dim=1)
-        stop = first_stop(new_tokens, input_ids, stopping_criteria, generation_config, None)
-        if stop is not None:
-            input_ids = input_ids[:, : length + stop + 1]
-            new_tokens = new_tokens[:, : stop + 1]
+        # 5. Stop each row where plain decoding would have stopped, even inside its accepted run.
+        drafted = [min(num_drafts, generation_config.max_length - n - 1) for n in rows.lengths]  # fit before max length
+        emitted = [k + 1 for k in accepted]
+        rows.append(new_tokens, emitted)
+        stops = first_stop(new_tokens, emitted, rows, stopping_criteria, generation_config)
+        kept = rows.stop(stops, emitted)
         if not first:
-            stats.accepted_lengths.append(new_tokens.shape[1])
-            stats.drafted_lengths.append(num_drafts)
-            stats.accepted_tokens += min(num_accepted, new_tokens.shape[1])
-        if keep_scores:
-            scores.extend(target_scores[:, i] for i in range(new_tokens.shape[1]))
-        if keep_logits:
-            raw_logits.extend(target_logits[:, i] for i in range(new_tokens.shape[1]))
-        if streamer is not None:
-            streamer.put(new_tokens.cpu())
-        if stop is not None:
+            stats.add_step(rows.rows, kept, drafted, accepted)
+        rows.record(target_scores if keep_scores else None, target_logits if keep_logits else None, kept)
+        if streamer is not None:  # batch size 1
+            streamer.put(new_tokens[:, : kept[0]].cpu())
+        if rows.all_finished:
             break
 
-        # 5. Roll back: the target cache keeps [.., anchor, accepted]; the bonus token is the next anchor.
-        _compat.crop_cache(cache, num_drafts - num_accepted)
+        # 6. Roll back: finished rows leave the batch; each row keeps [anchor, accepted] in the target cache (the slots
+        #    no row kept are cropped, the others' rejected ones masked); its bonus token is its next anchor.
+        outputs = rows.roll_back(cache, drafter, outputs, fed.shape[1], None if first else emitted)
         first = False
 
     if streamer is not None:
         streamer.end()
+    sequences = rows.sequences()
     if not want_dict:
-        return input_ids
+        return sequences
     return SpeculativeDecoderOnlyOutput(
-        sequences=input_ids,
-        scores=tuple(scores) if keep_scores else None,
-        logits=tuple(raw_logits) if keep_logits else None,
+        sequences=sequences,
+        scores=rows.per_token(rows.scores) if keep_scores else None,
+        logits=rows.per_token(rows.logits) if keep_logits else None,
         speculation=stats,
-        **{_compat.generate_output_cache_field(): cache},
+        # A batch's cache has per-row holes and lacks the rows that finished early: only a single row's is usable.
+        **{_compat.generate_output_cache_field(): cache if input_ids.shape[0] == 1 else None},
     )
 
 
@@ -211,8 +252,9 @@ def speculative_decoding(
 _HANDLED_MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep"}
 
 
-def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs) -> None:
+def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, logits_processor=None, streamer=None):
     """What speculative decoding cannot do raises here, before any work."""
+    batch_size = input_ids.shape[0]
     if (generation_config.num_beams or 1) > 1:
         raise ValueError(
             f"speculation=... cannot be combined with beam search (num_beams={generation_config.num_beams}); "
@@ -221,12 +263,7 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs) ->
     if (generation_config.num_return_sequences or 1) > 1:
         raise ValueError(
             "speculation=... supports num_return_sequences=1 only for now; got "
-            f"{generation_config.num_return_sequences}. Call generate once per sequence."
-        )
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"speculation=... supports batch size 1 for now; got a batch of {input_ids.shape[0]}. "
-            "Generate row by row, or drop `speculation` to use plain batched generate."
+            f"{generation_config.num_return_sequences}. Repeat the prompt in the batch instead."
         )
     for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "assistant_ensemble_weight"):
         if getattr(generation_config, name, None):
@@ -248,10 +285,40 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs) ->
         raise ValueError(f"speculation=... does not support the model inputs {unsupported}; remove them.")
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
-        raise ValueError("speculation=... with batch size 1 expects no padding: remove the padding from the prompt.")
+        if bool((mask[:, 1:] < mask[:, :-1]).any()):
+            raise ValueError(
+                "speculation=... needs LEFT-padded prompts, but the attention_mask has padding after a token (right "
+                "padding?). Pad on the left: tokenizer.padding_side = 'left' before tokenizing the batch."
+            )
+        if not bool(mask.any(dim=1).all()):
+            raise ValueError("speculation=... got a prompt that is all padding; give every row at least one token.")
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("speculation=... starts from an empty cache; do not pass a pre-filled cache.")
+    if batch_size > 1:
+        if streamer is not None:
+            raise ValueError(
+                f"speculation=... streams a single sequence; got a batch of {batch_size} with a streamer. Drop "
+                "`streamer` or generate row by row."
+            )
+        other_attention = sorted(_attention_types(model.config.get_text_config()) - {"full_attention"})
+        if other_attention:
+            raise ValueError(
+                f"speculation=... with a batch needs full-attention layers; this model also has {other_attention} "
+                "layers, whose windows would count the rows' rejected draft slots. Generate row by row."
+            )
+        if any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in logits_processor or []):
+            raise ValueError(
+                "speculation=... with a batch cannot use prefix_allowed_tokens_fn: rows finish and leave the batch, "
+                "so its batch_id would no longer name the same row. Generate row by row."
+            )
+
+
+def _attention_types(config) -> set[str]:
+    """The kinds of attention layers a model has ("full_attention", "sliding_attention", ...)."""
+    if layer_types := getattr(config, "layer_types", None):
+        return set(layer_types)
+    return {"sliding_attention"} if getattr(config, "sliding_window", None) else {"full_attention"}
 
 
 # ----------------------------------------------------------------------------------------------------------------

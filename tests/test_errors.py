@@ -52,14 +52,10 @@ def test_unsupported_generate_arguments(target, speculator, kwargs, message):
         generate(target, speculator, **kwargs)
 
 
-def test_batch_larger_than_one(target, speculator):
-    with pytest.raises(ValueError, match="batch size 1"):
-        target.generate(PROMPT.repeat(2, 1), assistant_model=speculator, speculation="dflash", max_new_tokens=4)
-
-
-def test_padded_prompt(target, speculator):
-    with pytest.raises(ValueError, match="no padding"):
-        generate(target, speculator, attention_mask=torch.tensor([[0, 1, 1, 1, 1]]))
+def test_right_padded_prompt(target, speculator):
+    # left padding is fine (tests/test_batched.py); padding after the prompt is refused
+    with pytest.raises(ValueError, match="LEFT-padded"):
+        generate(target, speculator, attention_mask=torch.tensor([[1, 1, 1, 1, 0]]))
 
 
 def test_unknown_method(target, speculator):

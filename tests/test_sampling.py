@@ -107,7 +107,7 @@ def test_speculative_sampling_matches_target_distribution(setup, method, tempera
 def test_negative_control_broken_verifier_is_caught(setup, monkeypatch):
     def accept_everything(target_scores, draft_scores, candidates):
         bonus = torch.multinomial(target_scores[:, candidates.shape[1]].softmax(-1), 1)
-        return torch.cat([candidates, bonus], dim=1), candidates.shape[1]
+        return torch.cat([candidates, bonus], dim=1), torch.full_like(bonus[:, 0], candidates.shape[1])
 
     monkeypatch.setattr(hf_specdiff.generation, "verify_sampling", accept_everything)
     target, speculator = setup

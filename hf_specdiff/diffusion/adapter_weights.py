@@ -63,7 +63,7 @@ def load_base(base: str | None, with_tokenizer: bool = False):
                          "folder or a Hub id of the causal LM the adapter was trained on (base=... when loading).")
     try:
         model = AutoModelForCausalLM.from_pretrained(base)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: not a valid repo id either
         raise ValueError(f"The base model {base!r} could not be loaded ({error}). Pass base= a local folder or Hub id "
                          "(offline: already in the local Hub cache) holding the causal LM the adapter was trained on."
                          ) from error

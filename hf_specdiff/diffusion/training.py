@@ -39,6 +39,7 @@ parameters and optimizer state only, and a rerun resumes from the latest one.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import random
@@ -52,6 +53,7 @@ from torch import nn
 
 from ..training import _latest_checkpoint, _prune_checkpoints, collate, load_sequences
 from .adapter_weights import EMBEDDED_BASE, MASK_EMBEDDING, base_facts, load_base, save_adapter
+from .decoding import DiffusionGenerationConfig
 from .modeling import DiffusionLM
 
 SMOLLM2_MASK_TOKEN_ID = 16  # <empty_output>: a reserved special token that never occurs in SmolLM2's chat text
@@ -81,7 +83,7 @@ class DiffusionTrainConfig:
     eos_token_id: int | None = None  # answers ending with it are padded with it (trained as answer); None: the base's
     mask_eps: float = 1e-3  # t ~ U(mask_eps, 1]
     block_masking_share: float = 0.5  # share of sequences noised block-wise, as semi-autoregressive decoding sees them
-    block_length: int = 32  # block size of that masking: the decoding block_length it prepares for
+    block_length: int = DiffusionGenerationConfig.block_length  # block size of that masking: decoding's block_length
     batch_size: int = 32  # sequences per micro-batch (per process)
     gradient_accumulation_steps: int = 1
     max_steps: int = 3000  # optimizer steps
@@ -265,8 +267,8 @@ def evaluate(trainee, batches: list, config: DiffusionTrainConfig, device, accel
         loss, total, correct = 0.0, 0, 0
         for batch in batches:
             with accelerator.autocast():
-                batch_loss_, n, right = batch_loss(trainee, batch, config, generator, share, device)
-            loss, total, correct = loss + float(batch_loss_) * batch[0].shape[0], total + n, correct + right
+                value, n, right = batch_loss(trainee, batch, config, generator, share, device)
+            loss, total, correct = loss + float(value) * batch[0].shape[0], total + n, correct + right
         record[f"{name}_loss"] = loss / sum(batch[0].shape[0] for batch in batches)
         record[f"{name}_accuracy"] = correct / max(total, 1)
     return record
@@ -301,6 +303,7 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
     mask_id = _mask_token_id(config, base_name, tokenizer)
     facts = base_facts(base)
     model = DiffusionLM.from_causal_lm(base, mask_token_id=mask_id, shift_logits=config.shift_logits).float()
+    del base  # a copy was taken; the caller's model is never modified
     sequences = load_sequences(config.data, model.config.vocab_size, config.max_seq_len)
     if any(mask_id in row["ids"] for row in sequences):
         raise ValueError(f"mask_token_id={mask_id} occurs in the training data: [MASK] must be a token the data never "
@@ -424,6 +427,9 @@ def _check_config(config: DiffusionTrainConfig) -> None:
     for name, (ok, expected) in checks.items():
         if not ok:
             raise ValueError(f"DiffusionTrainConfig.{name}={getattr(config, name)!r} must be {expected}.")
+    if config.finetune == "lora" and importlib.util.find_spec("peft") is None:
+        raise ImportError("LoRA training needs peft: `pip install 'hf_specdiff[train]'` (or finetune='full'). Loading "
+                          "the trained adapter does not.")
 
 
 def _base_name(config: DiffusionTrainConfig, base) -> str | None:

@@ -1,0 +1,243 @@
+"""Per-row state of batched speculative decoding (`RowBatch`): each row's tokens, the cache layout, finished rows.
+
+The rows of a batch accept different numbers of draft tokens per step, so they drift apart in length. Cache scheme,
+chosen because nothing is ever recomputed and every verify forward stays one block wide:
+
+- Every verify forward appends the K/V of all rows' [anchor, drafts] to the target cache. After verification the
+  slots that no row kept (past the longest accepted run) are cropped; the other rows' rejected slots stay as holes,
+  masked out by a 2D attention mask (`cache_mask`), and each row's position ids count only its own tokens, so a row
+  attends to exactly what it would attend to alone. (Cropping to the shortest row and re-feeding the others' extra
+  tokens would widen every verify forward and still need a mask for the ragged re-fed runs.)
+- The drafter's cache mirrors the target's slot for slot (its context K/V come from the target's hidden states at
+  the same slots), so one mask serves both.
+- When more than half the slots are holes that every row could lose (`COMPACT_WHEN_WASTED`), both caches are
+  compacted: each row's kept slots are gathered to the right, in order, left-padded to the longest row.
+- A finished row leaves the batch: its cache rows, hidden states and state are index-selected away, so it costs
+  nothing more. Its output is padded as plain batched `generate` pads finished rows.
+
+With one row, or rows that always accept alike, there are no holes: no mask is built and the cache is cropped
+exactly as in single-sequence speculative decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _compat
+
+# Compact the caches when more than this share of their slots are holes that no row needs (gathering costs about
+# one read of the cache; attending over holes costs that on every forward).
+COMPACT_WHEN_WASTED = 0.5
+
+
+def append_ragged(sequence: torch.LongTensor, lengths: list[int] | None, tokens: torch.LongTensor) -> torch.LongTensor:
+    """Row i of the result is `sequence[i, :lengths[i]]` followed by `tokens[i]` (b, n); what lies past that is
+    filler. `lengths=None`: every row is full, a plain concatenation."""
+    joined = torch.cat([sequence, tokens], dim=1)
+    if lengths is None or all(length == sequence.shape[1] for length in lengths):
+        return joined
+    after = torch.arange(tokens.shape[1], device=sequence.device)
+    return joined.scatter(1, torch.tensor(lengths, device=sequence.device)[:, None] + after, tokens)
+
+
+def last_tokens(sequence: torch.LongTensor, lengths: list[int] | None, n: int) -> torch.LongTensor:
+    """The last n tokens of each row (b, n); `lengths` as in `append_ragged`."""
+    if lengths is None or all(length == sequence.shape[1] for length in lengths):
+        return sequence[:, sequence.shape[1] - n :]
+    index = torch.tensor(lengths, device=sequence.device)[:, None] - n + torch.arange(n, device=sequence.device)
+    return sequence.gather(1, index)
+
+
+class RowBatch:
+    """Rows of a speculative decode, from the left-padded prompts to the padded output.
+
+    `tokens` (b, W): row i is its padded prompt followed by its generated tokens, up to `lengths[i]` (filler past
+    it), i.e. exactly what plain `generate`'s `input_ids` row would hold after as many tokens. `rows[i]` is the
+    original batch row of row i. Finished rows leave; `sequences()` puts them back in order.
+
+    When a row ends follows plain `generate`: with an EOS criterion (`pad_after_stop`), at its own first stop (the
+    rest is padding); without one, plain `generate` keeps every row going until all have stopped once, so each row
+    ends at the last row's first stop.
+    """
+
+    def __init__(self, input_ids: torch.LongTensor, attention_mask, generation_config, pad_after_stop: bool):
+        batch, width = input_ids.shape
+        self.batch_size, self.prompt_width = batch, width
+        self.max_new_tokens = generation_config.max_length - width
+        self.pad_after_stop = pad_after_stop
+        pad = generation_config._pad_token_tensor
+        self.pad_token_id = int(pad.reshape(-1)[0]) if pad is not None else 0
+        self.rows = list(range(batch))
+        self.tokens = input_ids
+        self.lengths = [width] * batch
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        self.prompt_mask = attention_mask if padded else None  # (b, W)
+        # Target (and drafter) cache layout: `slots` slots per row; `cache_mask` (b, slots) marks the row's own tokens
+        # (None: all of them, no holes); `valid[i]` counts them, which is also the position id of the row's next token.
+        self.slots = 0
+        self.cache_mask: torch.Tensor | None = None
+        self.valid = [0] * batch
+        self.stopped_at: dict[int, int] = {}  # original row -> tokens generated when it first stopped
+        self.finished: dict[int, torch.LongTensor] = {}  # original row -> its whole sequence
+        self.scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        self.logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+
+    # -- inputs ---------------------------------------------------------------------------------------------------
+
+    def verify_inputs(self, candidates: torch.LongTensor, first: bool):
+        """(input_ids, position_ids, attention_mask) of the verify forward: the padded prompts on the first pass,
+        then each row's [anchor, candidates] (b, n+1)."""
+        device = self.tokens.device
+        if first:
+            if self.prompt_mask is None:
+                return self.tokens, torch.arange(self.prompt_width, device=device)[None], None
+            positions = (self.prompt_mask.long().cumsum(-1) - 1).masked_fill(self.prompt_mask == 0, 0)
+            return self.tokens, positions, self.prompt_mask
+        fed = torch.cat([last_tokens(self.tokens, self.lengths, 1), candidates], dim=1)
+        steps = torch.arange(fed.shape[1], device=device)
+        if self.cache_mask is None:  # no holes: every row has `slots` tokens
+            return fed, (self.slots + steps)[None], None
+        positions = torch.tensor(self.valid, device=device)[:, None] + steps
+        return fed, positions, torch.cat([self.cache_mask, self.cache_mask.new_ones(fed.shape)], dim=1)
+
+    def new_tokens(self, candidate_ids: torch.LongTensor) -> torch.LongTensor:
+        """The candidates the drafter appended to each row: (b, n)."""
+        num_drafts = candidate_ids.shape[1] - self.tokens.shape[1]
+        if num_drafts == 0 or all(length == self.tokens.shape[1] for length in self.lengths):
+            return candidate_ids[:, self.tokens.shape[1] :]
+        index = torch.tensor(self.lengths, device=candidate_ids.device)[:, None]
+        return candidate_ids.gather(1, index + torch.arange(num_drafts, device=candidate_ids.device))
+
+    # -- outcome of a step ------------------------------------------------------------------------------------------
+
+    def append(self, new_tokens: torch.LongTensor, emitted: list[int]) -> None:
+        """Row i gains `new_tokens[i, :emitted[i]]`."""
+        self.tokens = append_ragged(self.tokens, self.lengths, new_tokens)
+        self.lengths = [length + n for length, n in zip(self.lengths, emitted)]
+        self.tokens = self.tokens[:, : max(self.lengths)]
+
+    def stop(self, stops: list[int | None], emitted: list[int]) -> list[int]:
+        """Apply this step's stops (index of the stopping token among each row's new tokens, or None): cut the rows
+        whose output is complete and mark them finished. Returns the tokens each row keeps from this step."""
+        kept = list(emitted)
+        for i, (row, stop) in enumerate(zip(self.rows, stops)):
+            generated = self.lengths[i] - self.prompt_width
+            if stop is not None and row not in self.stopped_at:
+                self.stopped_at[row] = generated - emitted[i] + stop + 1
+            end = self._end(row)
+            limit = self.max_new_tokens if end is None else min(end, self.max_new_tokens)
+            if generated >= limit:
+                kept[i] = max(emitted[i] - (generated - limit), 0)
+                self.lengths[i] = self.prompt_width + limit
+                self.finished[row] = self.tokens[i, : self.lengths[i]]
+        return kept
+
+    def _end(self, row: int) -> int | None:
+        """Generated tokens in the row's output, once known."""
+        if self.pad_after_stop:
+            return self.stopped_at.get(row)
+        return max(self.stopped_at.values()) if len(self.stopped_at) == self.batch_size else None
+
+    def record(self, scores: torch.Tensor | None, logits: torch.Tensor | None, kept: list[int]) -> None:
+        """Keep each row's processed scores / raw logits (b, n+1, V) of the tokens it kept."""
+        for i, (row, n) in enumerate(zip(self.rows, kept)):
+            if scores is not None:
+                self.scores[row].extend(scores[i, :n])
+            if logits is not None:
+                self.logits[row].extend(logits[i, :n])
+
+    @property
+    def all_finished(self) -> bool:
+        return len(self.finished) == self.batch_size
+
+    # -- cache layout -----------------------------------------------------------------------------------------------
+
+    def context_mask(self) -> torch.Tensor | None:
+        """(b, slots) mask of the cache slots holding each row's tokens, for the drafter. None when slot i holds token
+        i of every row (no padding, no holes): the drafter then reads the layout off `tokens` alone."""
+        if self.cache_mask is None and any(length != self.slots + 1 for length in self.lengths):
+            return torch.ones(len(self.rows), self.slots, dtype=torch.long, device=self.tokens.device)
+        return self.cache_mask
+
+    def roll_back(self, cache, drafter, outputs, num_fed: int, kept: list[int] | None):
+        """After a verify forward of `num_fed` tokens per row: finished rows leave the batch (both caches, the hidden
+        states the drafter reads next, all per-row state); the target cache keeps `kept[i]` of row i's fed slots
+        (None: the prompt, all of them). Slots no row kept are cropped, the rest of the rejected ones masked.
+        Returns `outputs` with its hidden states reduced to the remaining rows."""
+        if kept is None:  # the prefill: the prompt is in the cache, its padding masked
+            self.slots = num_fed
+            self.cache_mask = self.prompt_mask
+            self.valid = [num_fed] * len(self.rows) if self.prompt_mask is None else self.prompt_mask.sum(1).tolist()
+        remaining = [i for i, row in enumerate(self.rows) if row not in self.finished]
+        if len(remaining) < len(self.rows):
+            index = torch.tensor(remaining, device=self.tokens.device)
+            cache.batch_select_indices(index)
+            drafter.select_rows(index)
+            outputs.hidden_states = tuple(h[index.to(h.device)] for h in outputs.hidden_states)
+            self.rows = [self.rows[i] for i in remaining]
+            self.lengths = [self.lengths[i] for i in remaining]
+            self.valid = [self.valid[i] for i in remaining]
+            self.tokens = self.tokens[index, : max(self.lengths)]
+            if self.prompt_mask is not None:
+                self.prompt_mask = self.prompt_mask[index]
+            if self.cache_mask is not None:
+                self.cache_mask = self.cache_mask[index]
+                if min(self.valid) == self.slots:  # the rows left have no holes
+                    self.cache_mask = None
+            kept = None if kept is None else [kept[i] for i in remaining]
+        if kept is None:
+            return outputs
+
+        num_kept = max(kept)
+        _compat.crop_cache(cache, num_fed - num_kept)
+        if self.cache_mask is not None or min(kept) < num_kept:
+            if self.cache_mask is None:
+                self.cache_mask = torch.ones(len(self.rows), self.slots, dtype=torch.long, device=self.tokens.device)
+            device = self.tokens.device
+            step = torch.arange(num_kept, device=device) < torch.tensor(kept, device=device)[:, None]  # (b, num_kept)
+            self.cache_mask = torch.cat([self.cache_mask, step.long()], dim=1)
+        self.slots += num_kept
+        self.valid = [v + k for v, k in zip(self.valid, kept)]
+        return outputs
+
+    def compact_if_sparse(self, caches) -> bool:
+        """When more than `COMPACT_WHEN_WASTED` of the slots are holes no row needs, gather each row's slots to the
+        right, in order, in every cache (all must hold the same `slots` slots; otherwise wait for the next step)."""
+        if self.cache_mask is None:
+            return False
+        width = max(self.valid)
+        if self.slots - width <= COMPACT_WHEN_WASTED * self.slots:
+            return False
+        if any(c.get_seq_length() != self.slots for c in caches):
+            return False
+        order = torch.argsort(self.cache_mask, dim=1, stable=True)[:, self.slots - width :]  # (b, width): holes first
+        for c in caches:
+            _compat.gather_cache_slots(c, order)
+        self.cache_mask, self.slots = self.cache_mask.gather(1, order), width
+        if min(self.valid) == width:
+            self.cache_mask = None
+        return True
+
+    # -- output ---------------------------------------------------------------------------------------------------
+
+    def sequences(self) -> torch.LongTensor:
+        """(batch, prompt + longest output): rows in their original order, finished rows padded with pad_token_id."""
+        rows = [self.finished[row] for row in range(self.batch_size)]
+        out = rows[0].new_full((self.batch_size, max(len(r) for r in rows)), self.pad_token_id)
+        for row, sequence in enumerate(rows):
+            out[row, : len(sequence)] = sequence
+        return out
+
+    def per_token(self, values: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+        """Scores or logits as plain `generate` returns them: one (batch, V) tensor per generated position. A row that
+        has finished puts all its mass on pad_token_id there (0 for it, -inf elsewhere), the token it is padded with."""
+        lengths = [len(self.finished[row]) - self.prompt_width for row in range(self.batch_size)]
+        if self.batch_size == 1:
+            return tuple(v[None] for v in values[0][: lengths[0]])
+        reference = next(v[0] for v in values if v)
+        padding = torch.full_like(reference, float("-inf"))
+        padding[self.pad_token_id] = 0.0
+        return tuple(
+            torch.stack([values[row][i] if i < lengths[row] else padding for row in range(self.batch_size)])
+            for i in range(max(lengths))
+        )

@@ -1,0 +1,350 @@
+"""Batched speculation: every row of a left-padded batch gets exactly what it gets alone, and what plain batched
+`generate` gives it (fp64 tiny models: identical tokens); sampled rows each follow the target's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, make_speculator, make_successor_target, make_target
+from test_sampling import chi_square_p_value
+from transformers.generation.streamers import BaseStreamer
+
+import hf_specdiff
+import hf_specdiff.batching
+import hf_specdiff.generation
+from hf_specdiff import BlockDiffusionCandidateGenerator, _compat
+
+METHODS = ["xpress", "dflash", "markov"]
+PAD = 0  # conftest's pad_token_id; prompts below never contain it
+
+
+def left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = prompt
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def ragged_batches(count: int, size: int, seed: int, max_length: int = 20):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(count):
+        lengths = torch.randint(1, max_length, (size,), generator=generator).tolist()
+        yield [torch.randint(1, VOCAB, (n,), generator=generator) for n in lengths]
+
+
+def speculate(target, speculator, method, ids, mask, **kwargs):
+    kwargs.setdefault("return_dict_in_generate", True)
+    return target.generate(ids, attention_mask=mask, assistant_model=speculator, speculation=method, **kwargs)
+
+
+def assert_rows_exact(target, speculator, method, prompts, check_row_stats=True, **kwargs):
+    """Batched speculation == plain batched generate on the same padded batch, and each row == that row alone
+    (plain and speculative: same tokens, same accepted lengths). Returns the batched output."""
+    kwargs.setdefault("do_sample", False)
+    ids, mask = left_pad(prompts)
+    plain = target.generate(ids, attention_mask=mask, **kwargs)
+    out = speculate(target, speculator, method, ids, mask, **kwargs)
+    assert torch.equal(out.sequences, plain), f"{method}:\n{out.sequences.tolist()}\n!=\n{plain.tolist()}"
+    stats = out.speculation
+    assert stats.batch_size == len(prompts) and len(stats.row_accepted_lengths) == len(prompts)
+    assert len(stats.accepted_lengths) == sum(len(r) for r in stats.row_accepted_lengths)
+    assert stats.target_forwards == max(len(r) for r in stats.row_accepted_lengths) + 1
+    for row, prompt in enumerate(prompts):
+        alone = speculate(target, speculator, method, prompt[None], None, **kwargs)
+        assert torch.equal(alone.sequences, target.generate(prompt[None], **kwargs))
+        start = ids.shape[1] - len(prompt)
+        assert torch.equal(out.sequences[row, start : start + alone.sequences.shape[1]], alone.sequences[0])
+        if check_row_stats:  # the row met the same drafts and verdicts as alone: both caches are right per row
+            assert stats.row_accepted_lengths[row] == alone.speculation.accepted_lengths, row
+            assert stats.row_drafted_lengths[row] == alone.speculation.drafted_lengths, row
+    return out
+
+
+@pytest.fixture
+def record_drafts(monkeypatch):
+    """Checks that a row drafts the same block, from the same draft logits q, in a batch as alone: collects
+    {row's tokens so far (left padding stripped): (drafts, q)} from every drafter call and compares repeats."""
+    seen: dict[tuple, tuple] = {}
+    original = BlockDiffusionCandidateGenerator.get_candidates
+
+    def recording(self, input_ids, *args, rows=None, **kwargs):
+        candidate_ids, q = original(self, input_ids, *args, rows=rows, **kwargs)
+        if q is not None:
+            lengths = rows.lengths if rows is not None else [input_ids.shape[1]] * input_ids.shape[0]
+            for row, length in enumerate(lengths):
+                tokens = input_ids[row, :length].tolist()
+                while tokens and tokens[0] == PAD:
+                    tokens.pop(0)
+                drafts = candidate_ids[row, length : length + q.shape[1]].tolist()
+                earlier_drafts, earlier_q = seen.setdefault(tuple(tokens), (drafts, q[row]))
+                common = min(len(earlier_drafts), len(drafts))  # a batch drafts as far as its row with most room
+                assert earlier_drafts[:common] == drafts[:common], f"two different drafts after {tokens}"
+                torch.testing.assert_close(earlier_q[:common], q[row, :common], rtol=1e-9, atol=1e-9)
+        return candidate_ids, q
+
+    monkeypatch.setattr(BlockDiffusionCandidateGenerator, "get_candidates", recording)
+    return seen
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_random_drafts_rows_equal_row_by_row(method, record_drafts):
+    """Drafts nearly always rejected. The recorder also asserts that a row drafts the same block in the batch as
+    alone: the drafter's own cache and context are right per row (ragged contexts, holes, left padding)."""
+    target = hf_specdiff.enable(make_target())
+    speculator = make_speculator(target)
+    for i, prompts in enumerate(ragged_batches(count=2, size=4, seed=0)):
+        assert_rows_exact(target, speculator, method, prompts, max_new_tokens=8 + 5 * i)
+    assert len(record_drafts) > 20
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_accepted_drafts_rows_equal_row_by_row(method, record_drafts):
+    """Oracle add-ons on a successor target with an EOS: rows accept runs of different lengths (holes in the cache,
+    compaction), some stop at EOS inside a block, others at max_new_tokens."""
+    target = hf_specdiff.enable(make_successor_target(eos_token_id=17))
+    speculator = make_speculator(target, oracle=True)
+    taus = []
+    for i, prompts in enumerate(ragged_batches(count=3, size=5, seed=1)):
+        out = assert_rows_exact(target, speculator, method, prompts, max_new_tokens=12 + 7 * i)
+        taus.append(out.speculation.tau)
+    if method != "dflash":
+        assert sum(taus) / len(taus) > 1.5, "the oracle should get runs of several tokens accepted"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_rows_finish_at_different_steps_and_leave_the_batch(method, record_drafts):
+    """Pure successor target, EOS = 17: rows reach EOS inside a drafted block at different steps, or never (they stop
+    at max_new_tokens). Finished rows are padded like plain generate pads them, and leave the batch: the target and
+    the drafter see fewer rows, and the rows left draft what they draft alone."""
+    target = hf_specdiff.enable(make_successor_target(layer_scale=0.0, eos_token_id=17))
+    speculator = make_speculator(target, block_size=8, oracle=True, num_jacobi_passes=8)
+    prompts = [torch.tensor(p) for p in ([8, 9, 10], [30, 31], [14], [50, 51, 52], list(range(2, 13)))]
+    target_rows, drafter_rows = [], []
+    target.register_forward_pre_hook(lambda m, a, kw: target_rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    speculator.drafter.register_forward_pre_hook(
+        lambda m, a, kw: drafter_rows.append(kw["noise_embeds"].shape[0]), with_kwargs=True
+    )
+    out = assert_rows_exact(target, speculator, method, prompts, max_new_tokens=25)
+    ids, mask = left_pad(prompts)
+    target_rows.clear()
+    drafter_rows.clear()
+    speculate(target, speculator, method, ids, mask, do_sample=False, max_new_tokens=25)
+    assert target_rows[0] == 5 and target_rows == sorted(target_rows, reverse=True) and target_rows[-1] <= 2
+    assert drafter_rows == sorted(drafter_rows, reverse=True) and drafter_rows[-1] <= 2
+    # rows 0, 2 and 4 end with EOS (then padding); rows 1 and 3 run to max_new_tokens
+    generated = out.sequences[:, ids.shape[1] :]
+    eos_at = [int((row == 17).nonzero()[0, 0]) if (row == 17).any() else None for row in generated]
+    assert eos_at == [6, None, 2, None, 4]
+    assert (generated[0, 7:] == PAD).all() and (generated[2, 3:] == PAD).all()
+    if method != "dflash":  # EOS came inside an accepted run, not at a block boundary
+        assert out.speculation.row_accepted_lengths[0] == [6]
+
+
+@pytest.mark.parametrize("eos_token_id", [None, 63])
+def test_stop_strings_per_row(eos_token_id):
+    """Stop strings fire for each row at its own step. With an EOS token plain generate pads a stopped row; without
+    one it keeps generating it until every row has stopped, and so must we."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ+-"  # token t is chars[t]
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="0")
+    target = hf_specdiff.enable(make_successor_target(layer_scale=0.0, eos_token_id=eos_token_id))
+    speculator = make_speculator(target, block_size=8, oracle=True, num_jacobi_passes=8)
+    # "mno" = tokens 22, 23, 24: reached after 3, 7 and 13 tokens, or never (rows 3 and 4)
+    prompts = [torch.tensor(p) for p in ([19, 20, 21], [15, 16, 17], [4, 5, 6, 7, 8, 9, 10, 11], [40], [30, 31])]
+    out = assert_rows_exact(target, speculator, "xpress", prompts, check_row_stats=False, max_new_tokens=18,
+                            stop_strings=["mno"], tokenizer=tokenizer)
+    texts = tokenizer.batch_decode(out.sequences[:, left_pad(prompts)[0].shape[1] :])
+    assert [t.find("mno") for t in texts] == [0, 4, 10, -1, -1]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_position_dependent_processors_on_ragged_rows(method):
+    """Repetition penalty and min_new_tokens score each row's drafts against its own prefix and length."""
+    target = hf_specdiff.enable(make_successor_target(eos_token_id=17))
+    speculator = make_speculator(target, oracle=True)
+    for i, prompts in enumerate(ragged_batches(count=2, size=4, seed=2)):
+        assert_rows_exact(target, speculator, method, prompts, check_row_stats=False, max_new_tokens=16,
+                          repetition_penalty=1.3, min_new_tokens=3 + 4 * i)
+
+
+def test_scores_and_logits_match_plain_batched_generate():
+    target = hf_specdiff.enable(make_successor_target(eos_token_id=17))
+    speculator = make_speculator(target, oracle=True)
+    prompts = [torch.tensor(p) for p in ([3, 4, 5, 6], [12, 13], [40, 41, 42])]
+    ids, mask = left_pad(prompts)
+    kwargs = dict(do_sample=False, max_new_tokens=14, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True, repetition_penalty=1.2)
+    plain = target.generate(ids, attention_mask=mask, **kwargs)
+    spec = speculate(target, speculator, "xpress", ids, mask, **kwargs)
+    assert torch.equal(spec.sequences, plain.sequences)
+    assert len(spec.scores) == len(plain.scores) and len(spec.logits) == len(plain.logits)
+    generated = plain.sequences[:, ids.shape[1] :]
+    finished_after = [int((r == 17).nonzero()[0, 0]) if (r == 17).any() else len(r) for r in generated]
+    for i, (ours, theirs, ours_raw, theirs_raw) in enumerate(zip(spec.scores, plain.scores, spec.logits, plain.logits)):
+        for row, end in enumerate(finished_after):
+            if i <= end:  # the row is still running: the target's own scores
+                torch.testing.assert_close(ours[row], theirs[row], rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(ours_raw[row], theirs_raw[row], rtol=1e-6, atol=1e-6)
+            else:  # a finished row: certain of its padding
+                assert ours[row].argmax() == PAD and ours[row].softmax(-1)[PAD] == 1
+
+
+def test_compaction_keeps_every_row_exact(monkeypatch):
+    """Force compaction whenever a slot can be saved: outputs stay exact, and the caches stay short."""
+    monkeypatch.setattr(hf_specdiff.batching, "COMPACT_WHEN_WASTED", 0.0)
+    compactions = []
+    original = hf_specdiff.batching.RowBatch.compact_if_sparse
+
+    def counting(self, caches):
+        done = original(self, caches)
+        compactions.append(done)
+        if done:
+            assert all(c.get_seq_length() == max(self.valid) for c in caches)
+        return done
+
+    monkeypatch.setattr(hf_specdiff.batching.RowBatch, "compact_if_sparse", counting)
+    target = hf_specdiff.enable(make_successor_target(eos_token_id=17))
+    speculator = make_speculator(target, oracle=True)
+    for prompts in ragged_batches(count=2, size=5, seed=3):
+        assert_rows_exact(target, speculator, "xpress", prompts, max_new_tokens=24)
+    assert sum(compactions) >= 3
+
+
+def test_gather_cache_slots_per_row():
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    keys = torch.arange(2 * 3 * 5 * 4, dtype=torch.float64).view(2, 3, 5, 4)
+    cache.update(keys, -keys, 0)
+    index = torch.tensor([[4, 0], [1, 2]])
+    _compat.gather_cache_slots(cache, index)
+    layer = cache.layers[0]
+    assert torch.equal(layer.keys[0], keys[0][:, [4, 0]]) and torch.equal(layer.keys[1], keys[1][:, [1, 2]])
+    assert torch.equal(layer.values, -layer.keys) and cache.get_seq_length() == 2
+
+
+def test_batch_of_one_is_unchanged():
+    """A single unpadded row: no attention mask, an exactly cropped cache (returned), the statistics as before."""
+    target = hf_specdiff.enable(make_successor_target())
+    speculator = make_speculator(target, oracle=True)
+    masks = []
+    target.register_forward_pre_hook(lambda m, a, kw: masks.append(kw.get("attention_mask")), with_kwargs=True)
+    prompt = torch.tensor([[3, 4, 5, 6, 7]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=30)
+    masks.clear()
+    out = speculate(target, speculator, "xpress", prompt, None, do_sample=False, max_new_tokens=30)
+    assert torch.equal(out.sequences, plain)
+    stats = out.speculation
+    assert len(masks) == stats.target_forwards and set(masks) == {None}
+    assert stats.target_forwards == len(stats.accepted_lengths) + 1
+    assert stats.row_accepted_lengths == [stats.accepted_lengths] and stats.row_tau == [stats.tau]
+    assert {"accepted_lengths", "drafted_lengths", "target_forwards", "draft_seconds", "tau"} <= set(stats.to_dict())
+    assert _compat.generate_output_cache_field() and getattr(out, _compat.generate_output_cache_field()) is not None
+    # the same prompt left-padded in a batch of one: same tokens after the padding
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(prompt)], dim=1)
+    again = speculate(target, speculator, "xpress", padded, mask, do_sample=False, max_new_tokens=30)
+    assert torch.equal(again.sequences[:, 3:], out.sequences)
+
+
+# -- sampling ------------------------------------------------------------------------------------------------------
+
+SAMPLING_VOCAB, NEW_TOKENS, DRAWS = 6, 4, 3000
+SAMPLING_PROMPTS = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]  # different lengths: the second is left-padded
+
+
+def exact_distribution(target, prompt: torch.Tensor) -> dict[tuple, float]:
+    """P(t1..tn | prompt) for every continuation (temperature 1, no warpers)."""
+    probabilities = {(): 1.0}
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            prefixes = list(probabilities)
+            suffix = torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), -1)
+            probs = target(torch.cat([prompt.repeat(len(prefixes), 1), suffix], 1)).logits[:, -1].softmax(-1)
+            probabilities = {
+                prefix + (token,): probabilities[prefix] * float(probs[row, token])
+                for row, prefix in enumerate(prefixes)
+                for token in range(SAMPLING_VOCAB)
+                if probs[row, token] > 0
+            }
+    return probabilities
+
+
+def batched_p_values(target, speculator):
+    ids, mask = left_pad(SAMPLING_PROMPTS)
+    counts = [{} for _ in SAMPLING_PROMPTS]
+    accepted = drafted = 0
+    torch.manual_seed(0)
+    for _ in range(DRAWS):
+        out = speculate(target, speculator, "xpress", ids, mask, do_sample=True, max_new_tokens=NEW_TOKENS)
+        for row, row_counts in enumerate(counts):
+            outcome = tuple(out.sequences[row, ids.shape[1] :].tolist())
+            row_counts[outcome] = row_counts.get(outcome, 0) + 1
+        accepted += out.speculation.accepted_tokens
+        drafted += out.speculation.drafted_tokens
+    p_values = [
+        chi_square_p_value(c, exact_distribution(target, p[None]), DRAWS) for c, p in zip(counts, SAMPLING_PROMPTS)
+    ]
+    return p_values, accepted / max(drafted, 1)
+
+
+@pytest.fixture(scope="module")
+def sampling_setup():
+    target = hf_specdiff.enable(make_successor_target(vocab_size=SAMPLING_VOCAB, layer_scale=3.0, logit_scale=0.6))
+    return target, make_speculator(target, block_size=4, oracle=True, strength=1.2)
+
+
+@pytest.mark.slow
+def test_batched_sampling_matches_target_distribution_per_row(sampling_setup):
+    p_values, acceptance = batched_p_values(*sampling_setup)
+    assert 0.2 < acceptance < 0.95, f"the test should exercise both acceptance and rejection, got {acceptance:.2f}"
+    assert min(p_values) > 1e-3, f"a row's speculative samples do not follow the target (p={p_values})"
+
+
+@pytest.mark.slow
+def test_batched_negative_control_broken_verifier_is_caught(sampling_setup, monkeypatch):
+    def accept_everything(target_scores, draft_scores, candidates):
+        bonus = torch.multinomial(target_scores[:, candidates.shape[1]].softmax(-1), 1)
+        return torch.cat([candidates, bonus], dim=1), torch.full_like(bonus[:, 0], candidates.shape[1])
+
+    monkeypatch.setattr(hf_specdiff.generation, "verify_sampling", accept_everything)
+    p_values, _ = batched_p_values(*sampling_setup)
+    assert max(p_values) < 1e-6, f"a verifier that accepts every draft must be detected in every row, got p={p_values}"
+
+
+# -- errors ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small():
+    target = hf_specdiff.enable(make_target())
+    return target, make_speculator(target)
+
+
+def test_right_padding_is_refused(small):
+    target, speculator = small
+    ids = torch.tensor([[4, 9, 1, 33], [5, 6, 0, 0]])
+    with pytest.raises(ValueError, match="LEFT-padded.*padding_side = 'left'"):
+        speculate(target, speculator, "dflash", ids, torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]), max_new_tokens=4)
+    with pytest.raises(ValueError, match="all padding"):
+        speculate(target, speculator, "dflash", ids, torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]), max_new_tokens=4)
+
+
+def test_what_batches_cannot_do_is_refused(small):
+    target, speculator = small
+    ids, mask = left_pad([torch.tensor([4, 9, 1]), torch.tensor([5, 6])])
+    with pytest.raises(ValueError, match="streams a single sequence"):
+        speculate(target, speculator, "xpress", ids, mask, max_new_tokens=4, streamer=BaseStreamer())
+    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
+        speculate(target, speculator, "xpress", ids, mask, max_new_tokens=4,
+                  prefix_allowed_tokens_fn=lambda batch_id, sequence: list(range(VOCAB)))
+    target.config.sliding_window = 8  # as Mistral-style configs declare sliding-window attention
+    with pytest.raises(ValueError, match="full-attention layers"):
+        speculate(target, speculator, "xpress", ids, mask, max_new_tokens=4)

@@ -1,0 +1,368 @@
+"""Turning a causal LM into a masked diffusion LM, on a tiny Llama: the noising process, the loss, training lowers the
+held-out loss, checkpoints resume exactly, the artifact holds only the add-on and loads back to the same logits, and
+bad inputs fail with a message that says what to do."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_target
+from safetensors.torch import load_file, save_file
+
+from hf_specdiff.diffusion import AutoDiffusionLM, DiffusionGenerationConfig, DiffusionLM, diffusion_generate
+from hf_specdiff.diffusion.training import (
+    DiffusionTrainConfig,
+    collate_answers,
+    diffusion_masks,
+    masked_diffusion_loss,
+    sample_noise,
+    train_diffusion,
+)
+
+MASK, EOS = 1, 2
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
+# peft 0.2x asks transformers 5 a deprecated question; nothing to do with this code
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+
+def write_data(path, rows=60, seed=0):
+    """Prompts of random tokens; answers count up from the prompt's last token (learnable), then EOS."""
+    generator = torch.Generator().manual_seed(seed)
+    with path.open("w") as out:
+        for i in range(rows):
+            prompt = torch.randint(3, 64, (int(torch.randint(3, 8, (1,), generator=generator)),), generator=generator)
+            n = int(torch.randint(6, 20, (1,), generator=generator))
+            answer = [3 + (int(prompt[-1]) - 3 + k + 1) % 61 for k in range(n)] + [EOS]
+            out.write(json.dumps({"id": i, "prompt_ids": prompt.tolist(), "response_ids": answer}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny float32 Llama saved as the base, a data file, and one 30-step run on them."""
+    folder = tmp_path_factory.mktemp("diffusion")
+    base = make_target(dtype=torch.float32, eos_token_id=EOS)
+    base.save_pretrained(folder / "base")
+    data = write_data(folder / "data.jsonl")
+    config = tiny_config(folder, data)
+    model = train_diffusion(config, progress=False)
+    return folder, data, config, model
+
+
+def tiny_config(folder, data, **overrides):
+    """Options for a run in folder/run on the base in folder/base (both overridable)."""
+    values = dict(data=[str(data)], output_dir=str(folder / "run"), base=str(folder / "base"), mask_token_id=MASK,
+                  lora_rank=8, lora_alpha=16.0, max_seq_len=64, block_length=8, batch_size=8, max_steps=30,
+                  learning_rate=1e-2, warmup_steps=3, mixed_precision="no", eval_sequences=8, eval_every=10,
+                  save_every=10)
+    values.update(overrides)
+    return DiffusionTrainConfig(**values)
+
+
+def read_log(run):
+    return [json.loads(line) for line in (run / "log.jsonl").open()]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The noising process and the loss
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_plain_masking_spares_the_prompt_and_follows_t():
+    b, T, prompt = 6, 4000, 100
+    answer = torch.zeros(b, T, dtype=torch.bool)
+    answer[:, prompt:] = True
+    t = torch.tensor([0.05, 0.2, 0.4, 0.6, 0.8, 1.0])
+    masked, scored = diffusion_masks(answer, t, torch.Generator().manual_seed(0))
+    assert not masked[:, :prompt].any()
+    assert torch.equal(scored, answer)
+    share = masked[:, prompt:].float().mean(dim=1)
+    assert torch.allclose(share, t, atol=0.025), share
+    again, _ = diffusion_masks(answer, t, torch.Generator().manual_seed(0))
+    assert torch.equal(masked, again)  # seeded
+
+
+def test_block_masking_matches_semi_autoregressive_decoding():
+    L, prompt, T = 8, 5, 5 + 8 * 50
+    answer = torch.zeros(400, T, dtype=torch.bool)
+    answer[:, prompt:] = True
+    t = torch.full((400,), 0.5)
+    masked, scored = diffusion_masks(answer, t, torch.Generator().manual_seed(1), torch.ones(400, dtype=torch.bool), L)
+    blocks = set()
+    for row in range(400):
+        inside = scored[row].nonzero()[:, 0]
+        low, high = int(inside[0]), int(inside[-1]) + 1
+        assert high - low == L and (low - prompt) % L == 0  # one whole decoding block, counted from the answer start
+        blocks.add((low - prompt) // L)
+        assert not masked[row, :low].any()  # prompt and finished blocks clean
+        assert masked[row, high:].all()  # later blocks fully masked
+    assert len(blocks) > 40  # every block gets drawn
+    inside_share = (masked & scored).sum() / scored.sum()
+    assert abs(float(inside_share) - 0.5) < 0.03
+
+
+def test_sample_noise():
+    t, block_rows = sample_noise(20000, 1e-3, 0.3, torch.Generator().manual_seed(0))
+    assert float(t.min()) > 1e-3 and float(t.max()) <= 1.0
+    assert abs(float(t.mean()) - 0.5) < 0.01
+    assert abs(float(block_rows.float().mean()) - 0.3) < 0.01
+
+
+def test_collate_pads_finished_answers_with_eos():
+    rows = [{"ids": [5, 6, 7, EOS], "answer_start": 2}, {"ids": [5, 6, 7, 8, 9, 10], "answer_start": 3},
+            {"ids": [5, 6, 7], "answer_start": 1}]
+    ids, valid, answer = collate_answers(rows, pad_id=0, eos_id=EOS)
+    assert ids[0].tolist() == [5, 6, 7, EOS, EOS, EOS] and valid[0].all()  # finished: EOS padding is answer
+    assert answer[0].tolist() == [False, False, True, True, True, True]
+    assert ids[2].tolist() == [5, 6, 7, 0, 0, 0] and valid[2].tolist() == [True] * 3 + [False] * 3  # cut off
+    assert answer[2].tolist() == [False, True, True, False, False, False]
+    assert answer[1].tolist() == [False, False, False, True, True, True]
+
+
+def test_loss_reads_shifted_logits_and_follows_llada():
+    torch.manual_seed(0)
+    b, T, V = 3, 7, 11
+    logits = torch.randn(b, T, V, dtype=torch.float64)
+    ids = torch.randint(2, V, (b, T))
+    masked = torch.rand(b, T) < 0.5
+    masked[:, :2] = False
+    scored = torch.ones(b, T, dtype=torch.bool)
+    scored[:, :2] = False
+    scored[2, 5:] = False  # a row scored on part of its answer (block rows)
+    t = torch.tensor([0.3, 0.7, 1.0], dtype=torch.float64)
+    for shift in (0, 1):
+        loss, n, _ = masked_diffusion_loss(logits, ids, masked, scored, t, MASK, shift)
+        expected = 0.0
+        for row in range(b):
+            for i in range(T):
+                if masked[row, i] and scored[row, i]:
+                    row_logits = logits[row, i - shift].clone()
+                    row_logits[MASK] = -torch.inf  # [MASK] is never a prediction
+                    ce = F.cross_entropy(row_logits[None], ids[row, i][None])
+                    expected += ce / t[row] / scored[row].sum()
+        assert torch.allclose(loss, torch.as_tensor(expected / b)), (shift, loss, expected / b)
+        assert n == int((masked & scored).sum())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training, the artifact, resuming
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_training_lowers_the_held_out_loss(setup):
+    folder, _, _, _ = setup
+    log = read_log(folder / "run")
+    assert [r["step"] for r in log] == list(range(31))
+    before, after = log[0], log[-1]
+    assert after["eval_loss"] < 0.93 * before["eval_loss"], (before, after)
+    assert after["eval_accuracy"] > before["eval_accuracy"] + 0.2, (before, after)
+    assert after["eval_block_accuracy"] > before["eval_block_accuracy"] + 0.2, (before, after)
+
+
+def test_artifact_holds_only_the_add_on_and_loads_to_the_same_logits(setup):
+    folder, _, _, model = setup
+    artifact = folder / "run" / "diffusion_lm"
+    assert sorted(p.name for p in artifact.iterdir()) == ["adapter_model.safetensors", "config.json"]
+    config = json.loads((artifact / "config.json").read_text())
+    assert config["base"] == str((folder / "base").resolve()) and config["format_version"] == 1
+    assert config["diffusion"] == {"mask_token_id": MASK, "shift_logits": True, "block_causal": False}
+    tensors = load_file(artifact / "adapter_model.safetensors")
+    assert all(name.endswith((".lora_A.weight", ".lora_B.weight")) for name in tensors if name != "mask_embedding")
+    assert len(tensors) == 3 * 7 * 2 + 1  # 3 layers x 7 projections x (A, B) + the [MASK] row
+    base_numel = sum(p.numel() for p in model.parameters())
+    assert sum(t.numel() for t in tensors.values()) < 0.35 * base_numel
+
+    ids = torch.randint(3, 64, (2, 14), generator=torch.Generator().manual_seed(5))
+    ids[:, 8:] = MASK
+    with torch.no_grad():
+        expected = model(ids).logits
+        for loaded in (AutoDiffusionLM.from_pretrained(artifact),
+                       AutoDiffusionLM.from_pretrained(artifact, base=str(folder / "base"))):
+            assert isinstance(loaded, DiffusionLM) and loaded.shift_logits and loaded.mask_token_id == MASK
+            torch.testing.assert_close(loaded(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    # the trained [MASK] row is in use, and diffusion decoding runs on the loaded model
+    untrained = make_target(dtype=torch.float32, eos_token_id=EOS).model.embed_tokens.weight[MASK]
+    assert not torch.equal(loaded.model.embed_tokens.weight[MASK], untrained)
+    prompt = torch.tensor([[10, 11, 12, 13]])
+    decoding = DiffusionGenerationConfig(max_new_tokens=16, block_length=8, stop_at_eos=False)
+    out = diffusion_generate(loaded, prompt, config=decoding)
+    assert out.sequences.shape == (1, 4 + 16) and not (out.sequences == MASK).any()
+    assert torch.equal(out.sequences[:, :4], prompt)
+
+
+def test_resume_continues_at_the_right_step_and_matches_an_uninterrupted_run(setup, tmp_path):
+    folder, data, _, _ = setup
+    config = tiny_config(folder, data, output_dir=str(tmp_path / "run"), max_steps=6, eval_every=3, save_every=3)
+    train_diffusion(config, progress=False)
+    uninterrupted = load_file(tmp_path / "run" / "diffusion_lm" / "adapter_model.safetensors")
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "checkpoint-6")  # as if stopped after step 5
+    train_diffusion(config, progress=False)
+    steps = [r["step"] for r in read_log(tmp_path / "run")]
+    assert steps == [0, 1, 2, 3, 4, 5, 6, 4, 5, 6]
+    resumed = load_file(tmp_path / "run" / "diffusion_lm" / "adapter_model.safetensors")
+    assert resumed.keys() == uninterrupted.keys()
+    for name, tensor in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+    # checkpoints hold what is trained and the optimizer, not the frozen base
+    checkpoint = load_file(tmp_path / "run" / "checkpoints" / "checkpoint-6" / "model.safetensors")
+    assert all("lora_" in name or name == "mask_embedding" for name in checkpoint)
+    with pytest.raises(ValueError, match="other settings.*lora_rank"):
+        train_diffusion(dataclasses.replace(config, lora_rank=4, max_steps=8), progress=False)
+
+
+def test_full_finetune_round_trip(setup, tmp_path):
+    folder, data, _, _ = setup
+    config = tiny_config(folder, data, output_dir=str(tmp_path / "run"), finetune="full", train_mask_embedding=False,
+                         learning_rate=1e-3, max_steps=3, block_masking_share=0.0)
+    model = train_diffusion(config, progress=False)
+    tensors = load_file(tmp_path / "run" / "diffusion_lm" / "adapter_model.safetensors")
+    assert not any("embed_tokens" in name or "lm_head" in name for name in tensors)
+    assert "mask_embedding" not in tensors and "model.norm.weight" in tensors
+    loaded = AutoDiffusionLM.from_pretrained(tmp_path / "run" / "diffusion_lm")
+    ids = torch.randint(3, 64, (1, 10))
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+    assert "eval_block_loss" not in read_log(tmp_path / "run")[-1]
+
+
+def test_cli_train_diffusion(setup, tmp_path):
+    from hf_specdiff.cli import main
+
+    folder, data, _, _ = setup
+    options = dataclasses.asdict(tiny_config(folder, data, max_steps=2, eval_every=2, save_every=2))
+    options.pop("output_dir")
+    (tmp_path / "config.json").write_text(json.dumps(options))
+    assert main(["train-diffusion", "--config", str(tmp_path / "config.json"), "--output-dir",
+                 str(tmp_path / "cli")]) == 0
+    assert [r["step"] for r in read_log(tmp_path / "cli")] == [0, 1, 2]
+    assert (tmp_path / "cli" / "diffusion_lm" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-diffusion-gpu.json", "smollm2-135m-diffusion-cpu.json"])
+def test_example_configs_are_valid(name):
+    config = DiffusionTrainConfig(**json.loads((EXAMPLES / name).read_text()))
+    assert config.mask_token_id == 16 and config.finetune == "lora"
+    if "gpu" in name:  # the artifact stays small: ~1.22 MB of float32 LoRA factors per unit of rank + 3.5 MB tokenizer
+        assert config.lora_rank * 1.22 + 3.5 <= 30 and config.mixed_precision == "bf16"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_bad_training_inputs_fail_before_the_first_step(setup, tmp_path):
+    folder, data, _, _ = setup
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    cases = [
+        (dict(data=[str(empty)]), ValueError, "No usable rows"),
+        (dict(data=[]), ValueError, "No training data"),
+        (dict(mask_token_id=64), ValueError, "mask_token_id=64 must be a token id"),
+        (dict(mask_token_id=EOS), ValueError, "occurs in the training data"),
+        (dict(base="embedded:NotAModel"), ValueError, "Unknown base"),
+        (dict(base=str(tmp_path / "no-such-model")), ValueError, "could not be loaded"),
+        (dict(finetune="qlora"), ValueError, "finetune='qlora'"),
+        (dict(eval_sequences=60), ValueError, "eval_sequences=60"),
+        (dict(mask_token_id=None), ValueError, "Set mask_token_id"),
+    ]
+    for overrides, error, message in cases:
+        with pytest.raises(error, match=message):
+            config = dataclasses.replace(tiny_config(folder, data, output_dir=str(tmp_path / "run")), **overrides)
+            train_diffusion(config, progress=False)
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def corrupt_copy(setup, tmp_path, config_change=None, tensors_change=None, raw=None):
+    folder = setup[0]
+    target = tmp_path / "bad"
+    shutil.copytree(folder / "run" / "diffusion_lm", target)
+    if config_change:
+        config = json.loads((target / "config.json").read_text())
+        config_change(config)
+        (target / "config.json").write_text(json.dumps(config))
+    if tensors_change:
+        tensors = load_file(target / "adapter_model.safetensors")
+        tensors_change(tensors)
+        save_file(tensors, target / "adapter_model.safetensors")
+    if raw is not None:
+        (target / "adapter_model.safetensors").write_bytes(raw)
+    return target
+
+
+def test_corrupt_or_mismatched_adapters_fail_clearly(setup, tmp_path):
+    folder = setup[0]
+    name = "model.layers.0.self_attn.q_proj.lora_A.weight"
+    cases = [
+        (dict(config_change=lambda c: c.update(format_version=99)), "format_version 99 is not supported"),
+        (dict(config_change=lambda c: c.pop("diffusion")), "not a complete diffusion adapter config"),
+        (dict(config_change=lambda c: c.update(base=None)), "does not name its base"),
+        (dict(config_change=lambda c: c.update(base="embedded:Other")), "Unknown base"),
+        (dict(config_change=lambda c: c.update(base=str(tmp_path / "gone"))), "could not be loaded"),
+        (dict(tensors_change=lambda t: t.update({name: torch.zeros(8, 65)})), "do not fit"),
+        (dict(tensors_change=lambda t: t.pop(name.replace("lora_A", "lora_B"))), "no lora_B"),
+        (dict(tensors_change=lambda t: t.update({"model.layers.9.mlp.up_proj.lora_A.weight": torch.zeros(8, 64),
+                                                 "model.layers.9.mlp.up_proj.lora_B.weight": torch.zeros(128, 8)})),
+         "not a Linear of this model"),
+        (dict(tensors_change=lambda t: t.update(extra=torch.zeros(3))), "unexpected tensors"),
+        (dict(tensors_change=lambda t: t.update(mask_embedding=torch.zeros(3))), "mask_embedding"),
+        (dict(raw=b"not a safetensors file"), "corrupt"),
+    ]
+    for kwargs, message in cases:
+        bad = corrupt_copy(setup, tmp_path, **kwargs)
+        with pytest.raises(ValueError, match=message):
+            AutoDiffusionLM.from_pretrained(bad)
+        shutil.rmtree(bad)
+    other_base = make_target(dtype=torch.float32, hidden_size=32)
+    with pytest.raises(ValueError, match="different base model"):
+        AutoDiffusionLM.from_pretrained(folder / "run" / "diffusion_lm", base=other_base)
+    DiffusionLM.from_causal_lm(other_base, mask_token_id=MASK).save_pretrained(tmp_path / "complete")
+    with pytest.raises(ValueError, match="adapter folders only"):
+        AutoDiffusionLM.from_pretrained(tmp_path / "complete", base=other_base)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real model (slow)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_three_real_steps_on_the_embedded_smollm2(tmp_path):
+    from hf_specdiff.bench import find_data_dir
+
+    try:
+        data_dir = find_data_dir(None)
+    except FileNotFoundError:
+        pytest.skip("no shared data folder (set HF_SPECDIFF_DATA)")
+    source = data_dir / "distill" / "smollm2-135m-instruct" / "gsm8k_train.jsonl"
+    if not source.is_file():
+        pytest.skip(f"{source} is missing")
+    rows = tmp_path / "rows.jsonl"
+    with source.open() as lines:
+        rows.write_text("".join(next(lines) for _ in range(8)))
+    config = DiffusionTrainConfig(data=[str(rows)], output_dir=str(tmp_path / "run"), max_seq_len=256, batch_size=2,
+                                  max_steps=3, warmup_steps=1, mixed_precision="no", eval_sequences=2, eval_every=3,
+                                  save_every=3)
+    model = train_diffusion(config, progress=False)
+    log = read_log(tmp_path / "run")
+    assert [r["step"] for r in log] == [0, 1, 2, 3] and all(r.get("loss", 0) < 20 for r in log)
+    artifact = tmp_path / "run" / "diffusion_lm"
+    config_json = json.loads((artifact / "config.json").read_text())
+    assert config_json["base"] == "embedded:SmolLM2-135M-Instruct" and config_json["diffusion"]["mask_token_id"] == 16
+    assert (artifact / "adapter_model.safetensors").stat().st_size < 25e6  # r16: ~20 MB, the base is 540 MB
+    loaded = AutoDiffusionLM.from_pretrained(artifact)
+    ids = torch.tensor([[1, 4093, 198, 16, 16, 16, 16]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    from hf_specdiff.diffusion import load_tokenizer
+
+    tokenizer = load_tokenizer(artifact)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)["input_ids"]
+    out = diffusion_generate(loaded, prompt, config=DiffusionGenerationConfig(max_new_tokens=8, block_length=8))
+    assert out.sequences.shape == (1, prompt.shape[1] + 8)
