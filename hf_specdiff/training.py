@@ -296,6 +296,18 @@ def init_draft_layers_from_target(speculator: Speculator, target, layer: int) ->
 # --------------------------------------------------------------------------------------------------------------
 
 
+def warmup_cosine(warmup_steps: int, max_steps: int):
+    """Learning-rate factor per step: linear warm-up, then cosine decay to 10%."""
+
+    def schedule(step):
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        done = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done))
+
+    return schedule
+
+
 def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = True) -> Speculator:
     """Train (or resume) a speculator for `target`; returns it and writes `output_dir/speculator` and checkpoints."""
     from accelerate import Accelerator
@@ -334,13 +346,7 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
     trainer = SpeculatorTrainer(target, speculator, config)
     optimizer = torch.optim.AdamW(speculator.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
 
-    def schedule(step):  # linear warm-up, cosine decay to 10%
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        progress_ = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress_))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.warmup_steps, config.max_steps))
     speculator, optimizer, scheduler = accelerator.prepare(speculator, optimizer, scheduler)
     trainer.speculator = accelerator.unwrap_model(speculator)
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -51,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..training import _latest_checkpoint, _prune_checkpoints, collate, load_sequences
+from ..training import _latest_checkpoint, _prune_checkpoints, collate, load_sequences, warmup_cosine
 from .adapter_weights import EMBEDDED_BASE, MASK_EMBEDDING, base_facts, load_base, save_adapter
 from .decoding import DiffusionGenerationConfig
 from .modeling import DiffusionLM
@@ -323,13 +322,7 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
     trainable = [p for p in trainee.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
 
-    def schedule(step):  # linear warm-up, cosine decay to 10%
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        done = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.warmup_steps, config.max_steps))
     trainee, optimizer, scheduler = accelerator.prepare(trainee, optimizer, scheduler)
     accelerator.register_save_state_pre_hook(_keep_trainable_only)
 
