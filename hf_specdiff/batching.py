@@ -241,3 +241,18 @@ class RowBatch:
             torch.stack([values[row][i] if i < lengths[row] else padding for row in range(self.batch_size)])
             for i in range(max(lengths))
         )
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """(input_ids, attention_mask), both (len(prompts), longest): token lists left-padded as decoder-only `generate`
+    expects them."""
+    width = max(len(ids) for ids in prompts)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(ids)) + list(ids) for ids in prompts], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
+    return input_ids, attention_mask
+
+
+def until_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:
+    """A row's generated tokens up to and including its first stop token (what follows is padding)."""
+    stop = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
+    return tokens if stop is None else tokens[: stop + 1]

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from .batching import until_stop
 from .candidates import synchronize
 
 DATASETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt_bench")
@@ -53,6 +54,9 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "xpress", "markov"])
     jacobi_passes: list[int] = field(default_factory=lambda: [4])  # K values for xpress
     max_new_tokens: int = 128
+    # batch sizes: [1] measures prompt by prompt (prefill split out, every method); several (e.g. 1 4 16 32 64) measure
+    # the batch curve of ar, ar_static, dflash, xpress and markov on left-padded batches (see bench_batched)
+    batch_size: list[int] = field(default_factory=lambda: [1])
     # 0: greedy, losslessness checked per token; > 0: sampled, checked by a permutation test on log-probabilities
     temperature: float = 0.0
     # ar_static's torch.compile: None lets transformers decide (it compiles on cuda/xpu/neuron/tpu, not on the CPU);
@@ -245,9 +249,9 @@ def timed_generate(model, **kwargs):
     return out, time.perf_counter() - start
 
 
-def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None, progress: bool = True) -> dict:
-    from tqdm.auto import tqdm
-
+def load_models(config: BenchConfig, target=None, tokenizer=None, speculator=None):
+    """(target, tokenizer, speculator) on `config.device`: those given, else `config.target` / `config.speculator`,
+    else the embedded SmolLM2-135M-Instruct and its shipped speculator. The target is `enable`d."""
     import hf_specdiff
 
     dtype = getattr(torch, config.dtype)
@@ -263,14 +267,31 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
     if speculator is None:
         path = config.speculator or hf_specdiff.default_speculator_path()
         speculator = hf_specdiff.AutoSpeculator.from_pretrained(path)
-    speculator = speculator.to(device=config.device, dtype=dtype)
-    prompts = load_prompts(config)
-    sampling = config.temperature > 0
-    common = dict(max_new_tokens=config.max_new_tokens, do_sample=sampling, return_dict_in_generate=True)
-    if sampling:
+    return target, tokenizer, speculator.to(device=config.device, dtype=dtype)
+
+
+def generate_kwargs(config: BenchConfig) -> dict:
+    """What every measured `generate` call shares: greedy with scores (for the near-tie check), or sampled."""
+    common = dict(max_new_tokens=config.max_new_tokens, do_sample=config.temperature > 0, return_dict_in_generate=True)
+    if config.temperature > 0:
         common["temperature"] = config.temperature
     else:
-        common.update(output_scores=True)
+        common["output_scores"] = True
+    return common
+
+
+def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None, progress: bool = True) -> dict:
+    """Batch size 1, prompt by prompt (`config.batch_size` other than [1]: see `bench_batched.run_batch_bench`)."""
+    from tqdm.auto import tqdm
+
+    if config.batch_size != [1]:
+        from .bench_batched import run_batch_bench
+
+        return run_batch_bench(config, target, tokenizer, speculator, progress)
+    target, tokenizer, speculator = load_models(config, target, tokenizer, speculator)
+    prompts = load_prompts(config)
+    sampling = config.temperature > 0
+    common = generate_kwargs(config)
 
     def generate(inputs, extra):
         timer = FirstTokenTimer(target.device)
@@ -323,8 +344,12 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
             "records": records}
 
 
-def _lossless_check(reference, out, prompt_length, tolerance) -> dict:
-    a, b = reference.sequences[0, prompt_length:], out.sequences[0, prompt_length:]
+def _lossless_check(reference, out, prompt_length, tolerance, row: int = 0, stop_ids: set[int] = frozenset()) -> dict:
+    """Does row `row` of `out` generate what plain `generate`'s (`reference`) did? Compared up to each one's first
+    stop token (what follows is padding); a first divergence where the target's logits for the two tokens lie
+    within `tolerance` is a floating-point near-tie, not a bug."""
+    a = torch.tensor(until_stop(reference.sequences[row, prompt_length:].tolist(), stop_ids))
+    b = torch.tensor(until_stop(out.sequences[row, prompt_length:].tolist(), stop_ids))
     n = min(len(a), len(b))
     diverged = (a[:n] != b[:n]).nonzero()
     if not len(diverged) and len(a) == len(b):
@@ -332,7 +357,7 @@ def _lossless_check(reference, out, prompt_length, tolerance) -> dict:
     if not len(diverged):  # one stopped earlier with identical tokens up to there: not a near-tie
         return {"mismatch": True, "unexplained_mismatch": True, "logit_gap": None}
     i = int(diverged[0])
-    scores = reference.scores[i][0]
+    scores = reference.scores[i][row]
     gap = float((scores[a[i]] - scores[b[i]]).abs())
     return {"mismatch": True, "unexplained_mismatch": gap > tolerance, "logit_gap": gap, "first_divergence": i}
 
@@ -510,17 +535,42 @@ def is_diffusion_bench(config: BenchConfig) -> bool:
     return all(diffusion)
 
 
-def write_outputs(result: dict, config: BenchConfig) -> None:
-    from .bench_diffusion import diffusion_markdown_table, plot_diffusion
+def bench(config: BenchConfig) -> dict:
+    """What `hf-specdiff bench` runs: diffusion-LM methods, the batch curve (`--batch-size` other than 1), or every
+    method prompt by prompt."""
+    if is_diffusion_bench(config):
+        from .bench_diffusion import run_diffusion_bench
 
-    diffusion = is_diffusion_bench(config)
+        return run_diffusion_bench(config)
+    return run_bench(config)
+
+
+def _renderers(result: dict, config: BenchConfig):
+    """(markdown table, plots) functions for a result of `bench`."""
+    if result.get("kind") == "batch_curve":
+        from .bench_batched import batch_markdown_table, plot_batch_curve
+
+        return batch_markdown_table, plot_batch_curve
+    if is_diffusion_bench(config):
+        from .bench_diffusion import diffusion_markdown_table, plot_diffusion
+
+        return diffusion_markdown_table, plot_diffusion
+    return markdown_table, plot_results
+
+
+def result_table(result: dict, config: BenchConfig) -> str:
+    return _renderers(result, config)[0](result)
+
+
+def write_outputs(result: dict, config: BenchConfig) -> None:
+    table, plots = _renderers(result, config)
     if config.json:
         Path(config.json).parent.mkdir(parents=True, exist_ok=True)
         Path(config.json).write_text(json.dumps(result, indent=1))
     if config.markdown:
-        Path(config.markdown).write_text((diffusion_markdown_table if diffusion else markdown_table)(result) + "\n")
+        Path(config.markdown).write_text(table(result) + "\n")
     if config.plots:
-        (plot_diffusion if diffusion else plot_results)(result, config.plots)
+        plots(result, config.plots)
 
 
 def plot_results(result: dict, folder: str | Path) -> list[Path]:

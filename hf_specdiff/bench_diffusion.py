@@ -107,6 +107,9 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, progress
     from .diffusion import AutoDiffusionLM, diffusion_generate, load_tokenizer
     from .spiffy import DraftGraph
 
+    if list(config.batch_size) != [1]:
+        raise ValueError(f"Diffusion benchmarks decode prompt by prompt; drop --batch-size {config.batch_size} (the "
+                         "batch curve measures the autoregressive speculative methods).")
     dtype = getattr(torch, config.dtype)
     if model is None:
         if config.target is None:

@@ -279,16 +279,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"answers in {distill(_dataclass_from_args(DistillConfig, args))}")
     elif args.command == "bench":
-        from .bench import markdown_table, run_bench, write_outputs
-
-        from .bench import is_diffusion_bench
-        from .bench_diffusion import diffusion_markdown_table, run_diffusion_bench
+        from .bench import bench, result_table, write_outputs
 
         config = _dataclass_from_args(BenchConfig, args)
-        diffusion = is_diffusion_bench(config)
-        result = (run_diffusion_bench if diffusion else run_bench)(config)
+        result = bench(config)
         write_outputs(result, config)
-        print((diffusion_markdown_table if diffusion else markdown_table)(result))
+        print(result_table(result, config))
     elif args.command == "demo" and args.diffusion:
         demo_diffusion(args.prompt, args.model, args.draft_graph, args.max_new_tokens, args.block_length,
                        args.threshold, args.device)

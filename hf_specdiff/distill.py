@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .batching import left_pad, until_stop
+
 
 @dataclass
 class DistillConfig:
@@ -121,18 +123,15 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
     with output.open("a") as out, tqdm(total=len(todo), desc="distill", disable=not progress) as bar:
         for start in range(0, len(todo), config.batch_size):
             batch = todo[start : start + config.batch_size]
-            width = max(len(ids) for _, _, ids in batch)
-            input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, _, ids in batch], device=config.device)
-            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, _, ids in batch], device=config.device)
+            input_ids, mask = left_pad([ids for _, _, ids in batch], pad, config.device)
             generated = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
-                                        max_new_tokens=config.max_new_tokens, pad_token_id=pad)[:, width:]
-            for (prompt_id, prompt, ids), row in zip(batch, generated.tolist()):
-                stop = next((i for i, t in enumerate(row) if t in eos), None)
-                response = row[: stop + 1] if stop is not None else row
+                                        max_new_tokens=config.max_new_tokens, pad_token_id=pad)
+            for (prompt_id, prompt, ids), row in zip(batch, generated[:, input_ids.shape[1] :].tolist()):
+                response = until_stop(row, eos)
                 out.write(json.dumps({
                     "id": prompt_id, "prompt": prompt, "prompt_ids": ids,
                     "response": tokenizer.decode(response, skip_special_tokens=True), "response_ids": response,
-                    "finish": "eos" if stop is not None else "length",
+                    "finish": "eos" if response and response[-1] in eos else "length",
                 }) + "\n")
             out.flush()
             bar.update(len(batch))

@@ -138,3 +138,73 @@ def test_bad_bench_inputs(tmp_path):
         _method_runs(BenchConfig(methods=["ar", "beam"]), speculator=None, max_cache_len=64)
     with pytest.raises(FileNotFoundError, match="--data-dir"):
         load_prompts(BenchConfig(data_dir=str(tmp_path / "nowhere"), datasets=["gsm8k"]))
+
+
+def _prompts(tmp_path, questions) -> Path:
+    prompts = tmp_path / "batch_prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in questions))
+    return prompts
+
+
+BATCH_QUESTIONS = ["What is 12 times 7?", "Name three primary colours.", "Write a haiku about the sea.",
+                   "Why is the sky blue? Answer in one sentence.", "List the first five prime numbers."]
+
+
+def test_batch_curve_compares_methods_at_each_batch_size(tmp_path, smollm):
+    target, tokenizer, _ = smollm
+    shipped = hf_specdiff.AutoSpeculator.from_pretrained(hf_specdiff.default_speculator_path())  # rows accept unalike
+    config = BenchConfig(prompts=str(_prompts(tmp_path, BATCH_QUESTIONS)), limit=0, max_new_tokens=12, device="cpu",
+                         batch_size=[1, 2], methods=["ar", "ar_static", "dflash", "xpress", "markov"],
+                         json=str(tmp_path / "curve.json"), markdown=str(tmp_path / "curve.md"),
+                         plots=str(tmp_path / "plots"))
+    result = run_bench(config, target=target, tokenizer=tokenizer, speculator=shipped, progress=False)
+    write_outputs(result, config)
+    saved = json.loads((tmp_path / "curve.json").read_text())
+    assert saved["kind"] == "batch_curve" and saved["batch_sizes"] == [1, 2]
+    assert saved["runs"] == ["ar", "ar_static", "dflash", "xpress", "markov"]
+    for size, used in (("1", 5), ("2", 4)):  # batch 2 leaves out the fifth prompt: full batches only
+        summary = saved["curve"][size]
+        assert summary["ar"]["speedup_vs_ar"] == 1.0 and summary["dflash"]["speedup_vs_dflash"] == 1.0
+        for name, entry in summary.items():
+            assert entry["prompts"] == used and entry["tokens_per_s"] > 0, (size, name)
+            if name != "ar":  # every row equals plain batched generate's row (bar floating-point near-ties)
+                assert entry["unexplained_mismatches"] == 0 and "lossless_mismatches" in entry, (size, name)
+        for name in ("dflash", "xpress", "markov"):
+            entry = summary[name]
+            assert entry["tau"] >= 1.0 and entry["forwards_per_batch"] > 1
+            assert entry["draft_ms"] > 0 and entry["verify_ms"] > 0
+    assert all(r["stats"]["batch_size"] == r["batch_size"] for r in saved["records"] if "stats" in r)
+    for size, prompts in ((1, [0, 1, 2, 3, 4]), (2, [0, 1, 2, 3])):  # every prompt once per method and size
+        for name in saved["runs"]:
+            rows = [row["prompt"] for r in saved["records"] if (r["batch_size"], r["method"]) == (size, name)
+                    for row in r["rows"]]
+            assert rows == prompts, (size, name)
+    table = (tmp_path / "curve.md").read_text()
+    assert "| 2 | xpress |" in table and "| batch | method | tau |" in table and "1: 5, 2: 4" in table
+    assert [p.name for p in (tmp_path / "plots").iterdir()] == ["batch_curve.png"]
+
+
+def test_sampled_batch_curve_checks_each_row_by_log_probability(tmp_path, smollm):
+    target, tokenizer, speculator = smollm
+    config = BenchConfig(prompts=str(_prompts(tmp_path, BATCH_QUESTIONS[:2])), limit=0, max_new_tokens=8,
+                         device="cpu", batch_size=[2], temperature=0.8, methods=["ar", "xpress"])
+    result = run_bench(config, target=target, tokenizer=tokenizer, speculator=speculator, progress=False)
+    check = result["curve"]["2"]["xpress"]["sampling_check"]
+    assert check["prompts"] == 2 and 0.0 <= check["p_value"] <= 1.0
+    assert "lossless_mismatches" not in result["curve"]["2"]["xpress"]
+
+
+def test_batch_curve_refuses_what_it_cannot_measure(tmp_path, smollm):
+    target, tokenizer, speculator = smollm
+    prompts = str(_prompts(tmp_path, BATCH_QUESTIONS[:3]))
+    models = dict(target=target, tokenizer=tokenizer, speculator=speculator, progress=False)
+    with pytest.raises(ValueError, match="drop them from --methods, or bench them with --batch-size 1"):
+        run_bench(BenchConfig(prompts=prompts, limit=0, batch_size=[1, 4], methods=["ar", "prompt_lookup"]), **models)
+    with pytest.raises(ValueError, match="needs at least that many prompts and 3 were loaded: raise --limit"):
+        run_bench(BenchConfig(prompts=prompts, limit=0, batch_size=[1, 4], methods=["ar", "xpress"]), **models)
+    with pytest.raises(ValueError, match="positive sizes"):
+        run_bench(BenchConfig(prompts=prompts, limit=0, batch_size=[0], methods=["ar"]), **models)
+    from hf_specdiff.bench_diffusion import run_diffusion_bench
+
+    with pytest.raises(ValueError, match="drop --batch-size"):
+        run_diffusion_bench(BenchConfig(methods=["steps"], batch_size=[4]))

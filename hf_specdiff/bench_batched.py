@@ -1,0 +1,222 @@
+"""`hf-specdiff bench --batch-size 1 4 16 32 64`: plain batched `generate` against our speculative methods, by batch size.
+
+Every batch size sees the same prompts (the bench's seeded order), cut into consecutive batches of that size; a tail
+shorter than the size is left out, so every measured call holds a full batch (each size reports how many prompts it
+used). Prompts are left-padded to the longest of their batch. Within a batch the methods run back to back, so drift
+hits them alike; one warm-up call per batch size and method (which also pays for any compilation) is excluded.
+
+Per batch size and method: tokens/s (each row's tokens up to its first stop token, over the wall time of the calls),
+`speedup_vs_ar` over plain batched `generate` at the same size and `speedup_vs_dflash`; for our speculative methods
+tau (tokens a row gains per target forward, bonus included), target forwards per batch and draft / refine / verify
+time per batched step. Losslessness per row against plain batched `generate`: greedy token by token
+(`lossless_mismatches`, `unexplained_mismatches` as in the batch-1 bench), sampled by the paired permutation test on
+the target's mean log-probability over rows.
+
+What bounds the curve: a step verifies b rows x (block + 1) tokens in one forward. While that forward is bound by
+reading the weights it costs about what a forward of b x 1 tokens costs, and every accepted token is nearly free; as
+b grows the forward becomes bound by compute, the rejected draft slots cost real time, and the speedup over plain
+decoding falls towards what the extra accepted tokens pay for (see design.md section 7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .batching import left_pad, until_stop
+from .bench import (
+    BenchConfig,
+    _environment,
+    _lossless_check,
+    _method_runs,
+    _sampling_check,
+    generate_kwargs,
+    load_models,
+    load_prompts,
+    mean_target_logprob,
+    timed_generate,
+)
+
+BATCH_METHODS = ("ar", "ar_static", "dflash", "xpress", "markov")
+
+
+def _check_batch_config(config: BenchConfig, num_prompts: int | None = None) -> None:
+    unsupported = [m for m in config.methods if m not in BATCH_METHODS]
+    if unsupported:
+        raise ValueError(
+            f"Methods {unsupported} decode one sequence at a time (transformers' assisted decoding refuses batches): "
+            f"drop them from --methods, or bench them with --batch-size 1. Batched methods: {', '.join(BATCH_METHODS)}."
+        )
+    if not config.batch_size or any(size < 1 for size in config.batch_size):
+        raise ValueError(f"--batch-size takes positive sizes, e.g. 1 4 16; got {config.batch_size}.")
+    if num_prompts is not None and max(config.batch_size) > num_prompts:
+        raise ValueError(
+            f"--batch-size {max(config.batch_size)} needs at least that many prompts and {num_prompts} were loaded: "
+            "raise --limit (prompts per dataset), add --datasets, or pass a longer --prompts file."
+        )
+
+
+def run_batch_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    _check_batch_config(config)
+    prompts = load_prompts(config)
+    _check_batch_config(config, len(prompts))
+    target, tokenizer, speculator = load_models(config, target, tokenizer, speculator)
+    stop_ids = target.generation_config.eos_token_id
+    stop_ids = set(stop_ids if isinstance(stop_ids, list) else [] if stop_ids is None else [stop_ids])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
+    encoded = [
+        (dataset, list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]))
+        for dataset, messages in prompts
+    ]
+    runs = _method_runs(config, speculator, max(len(ids) for _, ids in encoded) + config.max_new_tokens)
+    common = {**generate_kwargs(config), "pad_token_id": pad}
+    sampling = config.temperature > 0
+
+    def batches(size: int) -> list[int]:  # first prompt of each full batch
+        return list(range(0, len(encoded) - len(encoded) % size, size))
+
+    def inputs(start: int, size: int) -> dict:
+        input_ids, attention_mask = left_pad([ids for _, ids in encoded[start : start + size]], pad, config.device)
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    records = []
+    bar = tqdm(total=sum(len(batches(size)) for size in config.batch_size) * len(runs), desc="bench (batched)",
+               disable=not progress)
+    for size in config.batch_size:
+        for _, kwargs in runs:  # warm-up (and compilation for this shape), excluded
+            timed_generate(target, **inputs(0, size), **common, **kwargs)
+        for start in batches(size):
+            batch = inputs(start, size)
+            width = batch["input_ids"].shape[1]
+            reference = None
+            for name, kwargs in runs:  # interleaved: every method decodes this batch back to back
+                torch.manual_seed(config.seed + start)
+                out, seconds = timed_generate(target, **batch, **common, **kwargs)
+                record = {"batch_size": size, "first_prompt": start, "method": name, "seconds": seconds, "rows": []}
+                for row in range(size):  # outside the timing
+                    dataset, prompt_ids = encoded[start + row]
+                    generated = until_stop(out.sequences[row, width:].tolist(), stop_ids)
+                    entry = {"prompt": start + row, "dataset": dataset, "new_tokens": len(generated)}
+                    if sampling:
+                        sequence = torch.tensor([prompt_ids + generated], device=config.device)
+                        entry["mean_logprob"] = mean_target_logprob(target, sequence, len(prompt_ids),
+                                                                    config.temperature)
+                    elif name != "ar":
+                        entry.update(_lossless_check(reference, out, width, config.tie_tolerance, row, stop_ids))
+                    record["rows"].append(entry)
+                record["new_tokens"] = sum(entry["new_tokens"] for entry in record["rows"])
+                if getattr(out, "speculation", None) is not None:
+                    record["stats"] = out.speculation.to_dict()
+                if name == "ar":
+                    reference = out
+                records.append(record)
+                bar.update(1)
+    bar.close()
+    names = [name for name, _ in runs]
+    return {"kind": "batch_curve", "config": asdict(config), "environment": _environment(target, config),
+            "runs": names, "batch_sizes": list(config.batch_size),
+            "curve": {str(size): summarize_curve([r for r in records if r["batch_size"] == size], names)
+                      for size in config.batch_size},
+            "records": records}
+
+
+def summarize_curve(records: list[dict], runs: list[str]) -> dict:
+    """Per method, over the batches of one batch size."""
+    summary = {}
+    for name in runs:
+        calls = [r for r in records if r["method"] == name]
+        rows = [row for call in calls for row in call["rows"]]
+        tokens, seconds = sum(row["new_tokens"] for row in rows), sum(call["seconds"] for call in calls)
+        entry = {"batches": len(calls), "prompts": len(rows), "new_tokens": tokens, "seconds": seconds,
+                 "tokens_per_s": tokens / seconds if seconds else 0.0}
+        if rows and "mismatch" in rows[0]:
+            entry["lossless_mismatches"] = sum(row["mismatch"] for row in rows)
+            entry["unexplained_mismatches"] = sum(row["unexplained_mismatch"] for row in rows)
+        if name != "ar" and rows and "mean_logprob" in rows[0]:
+            reference = [row for call in records if call["method"] == "ar" for row in call["rows"]]
+            entry["sampling_check"] = _sampling_check(rows, reference)
+        if calls and "stats" in calls[0]:
+            stats = [call["stats"] for call in calls]
+            lengths = [n for s in stats for n in s["accepted_lengths"]]
+            steps = sum(s["target_forwards"] - 1 for s in stats)  # batched verify steps after the prefill
+            entry["tau"] = sum(lengths) / max(len(lengths), 1)
+            entry["target_forwards"] = sum(s["target_forwards"] for s in stats)
+            entry["forwards_per_batch"] = entry["target_forwards"] / len(calls)
+            for phase in ("draft", "refine", "verify"):
+                entry[f"{phase}_ms"] = 1000 * sum(s[f"{phase}_seconds"] for s in stats) / max(steps, 1)
+        summary[name] = entry
+    for reference in ("ar", "dflash"):
+        speed = summary.get(reference, {}).get("tokens_per_s")
+        for entry in summary.values():
+            if speed:
+                entry[f"speedup_vs_{reference}"] = entry["tokens_per_s"] / speed
+    return summary
+
+
+def batch_markdown_table(result: dict) -> str:
+    """The curve as a Markdown table, one row per batch size and method, with a footer."""
+    sampled = result["config"].get("temperature", 0.0) > 0
+    check = "logprob diff vs ar (p)" if sampled else "mismatches (unexplained)"
+    lines = ["| batch | method | tau | tokens/s | speedup vs ar | vs dflash | forwards per batch | draft ms | refine ms | "
+             f"verify ms | {check} |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def number(entry: dict, key: str, digits: int = 1) -> str:
+        return f"{entry[key]:.{digits}f}" if entry.get(key) is not None else "-"
+
+    for size, summary in result["curve"].items():
+        for name, e in summary.items():
+            tau = "1.00" if name in ("ar", "ar_static") else number(e, "tau", 2)
+            phases = " | ".join(number(e, f"{p}_ms") for p in ("draft", "refine", "verify"))
+            if name == "ar":
+                verdict = ""
+            elif e.get("sampling_check", {}).get("prompts"):
+                verdict = f"{e['sampling_check']['mean_difference']:+.3f} (p={e['sampling_check']['p_value']:.2f})"
+            else:
+                verdict = f"{e.get('lossless_mismatches', '-')} ({e.get('unexplained_mismatches', '-')})"
+            lines.append(f"| {size} | {name} | {tau} | {e['tokens_per_s']:.1f} | {number(e, 'speedup_vs_ar', 2)} | "
+                         f"{number(e, 'speedup_vs_dflash', 2)} | {number(e, 'forwards_per_batch')} | {phases} | "
+                         f"{verdict} |")
+    env, config = result["environment"], result["config"]
+    used = ", ".join(f"{size}: {summary['ar']['prompts']}" for size, summary in result["curve"].items())
+    source = config["prompts"] or f"datasets {config['datasets']}, {config['limit']} each"
+    lines += ["", f"{env['device_name']} ({env['device']}), {env['dtype']}, torch {env['torch']}, transformers "
+              f"{env['transformers']}; prompts from {source}, left-padded batches, max_new_tokens "
+              f"{config['max_new_tokens']}; prompts used per batch size (full batches only): {used}. tokens/s counts "
+              "each row's tokens up to its first stop; tau is tokens per row per target forward; phase times are per "
+              "batched step."]
+    return "\n".join(lines)
+
+
+def plot_batch_curve(result: dict, folder: str | Path) -> list[Path]:
+    """batch_curve.png: tokens/s by batch size (left) and speedup over plain batched generate (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    sizes = [int(size) for size in result["curve"]]
+    fig, (speed, ratio) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for name in result["runs"]:
+        per_size = [result["curve"][str(size)][name] for size in sizes]
+        speed.plot(sizes, [e["tokens_per_s"] for e in per_size], marker="o", label=name)
+        if name != "ar":
+            ratio.plot(sizes, [e["speedup_vs_ar"] for e in per_size], marker="o", label=name)
+    for ax in (speed, ratio):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(size) for size in sizes])
+        ax.set_xlabel("batch size")
+        ax.legend(fontsize=8)
+    speed.set_ylabel("tokens/s (all rows)")
+    ratio.axhline(1.0, color="black", linewidth=0.8)
+    ratio.set_ylabel("tokens/s vs plain batched generate")
+    fig.tight_layout()
+    path = folder / "batch_curve.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
