@@ -68,7 +68,8 @@ class BenchConfig:
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     dtype: str = "float32"
     tie_tolerance: float = 1e-3  # logit gap under which a greedy divergence counts as a floating-point near-tie
-    # Diffusion LMs: methods steps, threshold, spiffy, spiffy_threshold (see bench_diffusion); --target names the model
+    # Diffusion LMs: methods steps, threshold, spiffy, spiffy_threshold, ar_base (see bench_diffusion); --target names
+    # the model
     block_length: int = 32
     steps: int | None = None  # denoising steps over the answer; None: one token per step
     remasking: str = "low_confidence"
@@ -76,6 +77,9 @@ class BenchConfig:
     cache: str = "dual"  # none, prefix, dual, block (dual and block are exact for Spiffy)
     max_drafts: int = 8  # Spiffy's D*
     draft_graph: str | None = None  # folder with spiffy_graph.json; default: the one beside the model
+    # the causal LM the diffusion LM was adapted from (ar_base method, base perplexity of the answers); default: the
+    # base an adapter artifact names
+    base: str | None = None
     json: str | None = None  # write the full results here
     markdown: str | None = None  # write the table here
     plots: str | None = None  # write PNG plots (speedup, accepted lengths, acceptance by position) to this folder

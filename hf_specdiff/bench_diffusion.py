@@ -5,23 +5,31 @@ Methods, interleaved prompt by prompt (warm-up excluded):
     threshold         Fast-dLLM threshold unmasking (`--threshold`)
     spiffy            Spiffy over `steps` decoding, with the calibrated draft graph
     spiffy_threshold  Spiffy over threshold unmasking
+    ar_base           the causal LM the diffusion LM was adapted from (`--base`, or the base an adapter names),
+                      plain greedy `generate`: one forward per token
 
 Per method: mean NFE per prompt, NFE reduction versus `steps`, tokens/s and speedup versus `steps`, accuracy
 (GSM8K: the last number against the reference answer; MATH-500: the last \\boxed{} against the reference; code sets:
 whether the answer's code parses), and for Spiffy `lossless_mismatches` against the method it speeds up (0 in the
 exact modes: block-causal models, dual cache).
+
+Coherence, for every method: `finished_rate` (answers that end with EOS within the token budget, rather than being
+cut off), `repetition` (share of an answer's 4-grams that repeat an earlier one: degenerate loops score high) and,
+when the AR base is known, `base_perplexity` (the base's perplexity of the answers given their prompts: how
+fluent the base, which wrote fluent text itself, finds them).
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import time
 
 import torch
 
-DIFFUSION_METHODS = ("steps", "threshold", "spiffy", "spiffy_threshold")
+DIFFUSION_METHODS = ("steps", "threshold", "spiffy", "spiffy_threshold", "ar_base")
 BASELINE_OF = {"spiffy": "steps", "spiffy_threshold": "threshold"}
 
 
@@ -93,18 +101,23 @@ def _decoding_configs(config) -> dict:
     for method in config.methods:
         if method not in DIFFUSION_METHODS:
             raise ValueError(f"Unknown diffusion method {method!r}; choose from {DIFFUSION_METHODS}.")
+        if method == "ar_base":
+            continue
         threshold = config.threshold if method.endswith("threshold") else None
         configs[method] = DiffusionGenerationConfig(**common, threshold=threshold)
     return configs
 
 
-def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, progress: bool = True) -> dict:
-    """Every diffusion method on every prompt of `config` (a BenchConfig); returns summary, by_dataset, records."""
+def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_model=None,
+                        progress: bool = True) -> dict:
+    """Every diffusion method on every prompt of `config` (a BenchConfig); returns summary, by_dataset, records.
+    `base_model`: the causal LM the diffusion LM was adapted from, when given in memory."""
     from tqdm.auto import tqdm
 
     from .bench import _environment, prompt_messages
     from .candidates import synchronize
     from .diffusion import AutoDiffusionLM, diffusion_generate, load_tokenizer
+    from .diffusion.adapter_weights import load_base, named_base
     from .spiffy import DraftGraph
 
     if list(config.batch_size) != [1]:
@@ -118,6 +131,17 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, progress
         tokenizer = load_tokenizer(config.target)
     model = model.to(config.device).eval()
     configs = _decoding_configs(config)
+    if base_model is None:
+        base_name = config.base or (named_base(config.target) if config.target else None)
+        if "ar_base" in config.methods and base_name is None:
+            raise ValueError("ar_base needs the causal LM the diffusion LM was adapted from: pass --base (a folder or "
+                             "Hub id); adapters trained by hf-specdiff name theirs.")
+        base_model = load_base(base_name).to(device=config.device, dtype=dtype) if base_name else None
+    if base_model is not None:
+        base_model = base_model.eval()
+        if base_model.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"The AR base has {base_model.config.vocab_size} tokens and the diffusion LM "
+                             f"{model.config.vocab_size}: --base must be the model the diffusion LM was adapted from.")
     if any(m.startswith("spiffy") for m in configs) and graph is None:
         if config.draft_graph is None and config.target is None:
             raise ValueError("Spiffy methods need --draft-graph (a folder holding spiffy_graph.json).")
@@ -129,42 +153,70 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, progress
         for dataset, row in rows
     ]
     eos = tokenizer.eos_token_id
+    methods = list(config.methods)
 
     def generate(ids, method):
-        spiffy = graph if method.startswith("spiffy") else None
         synchronize(ids.device)
         start = time.perf_counter()
-        out = diffusion_generate(model, ids, config=configs[method], draft_graph=spiffy, eos_token_id=eos)
+        if method == "ar_base":
+            sequences = base_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=config.max_new_tokens,
+                                            do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            nfe, exact, accepted = sequences.shape[1] - ids.shape[1], True, 0  # a forward per token, prefill's too
+        else:
+            spiffy = graph if method.startswith("spiffy") else None
+            out = diffusion_generate(model, ids, config=configs[method], draft_graph=spiffy, eos_token_id=eos)
+            sequences, nfe, exact, accepted = out.sequences, out.nfe, out.exact, sum(map(sum, out.accepted_drafts))
         synchronize(ids.device)
-        return out, time.perf_counter() - start
+        return sequences, nfe, exact, accepted, time.perf_counter() - start
 
-    for method in configs:  # warm-up, excluded
+    for method in methods:  # warm-up, excluded
         generate(encoded[0][2], method)
     records = []
-    bar = tqdm(total=len(encoded) * len(configs), desc="bench (diffusion)", disable=not progress)
+    bar = tqdm(total=len(encoded) * len(methods), desc="bench (diffusion)", disable=not progress)
     for index, (dataset, row, ids) in enumerate(encoded):
         outputs = {}
-        for method in configs:
-            out, seconds = generate(ids, method)
-            answer_ids = out.sequences[0, ids.shape[1] :]
+        for method in methods:
+            sequences, nfe, exact, accepted, seconds = generate(ids, method)
+            answer_ids = sequences[0, ids.shape[1] :]
             stop = (answer_ids == eos).nonzero()
-            answer_ids = answer_ids[: int(stop[0, 0]) if len(stop) else len(answer_ids)]
+            finished = bool(len(stop))
+            answer_ids = answer_ids[: int(stop[0, 0]) if finished else len(answer_ids)]
             text = tokenizer.decode(answer_ids, skip_special_tokens=True)
-            outputs[method] = out.sequences
-            record = {"dataset": dataset, "prompt": index, "method": method, "seconds": seconds, "nfe": out.nfe,
-                      "new_tokens": len(answer_ids), "correct": score(dataset, row, text), "exact": out.exact,
-                      "accepted_drafts": sum(map(sum, out.accepted_drafts)), "answer": text}
+            outputs[method] = sequences
+            record = {"dataset": dataset, "prompt": index, "method": method, "seconds": seconds, "nfe": nfe,
+                      "new_tokens": len(answer_ids), "correct": score(dataset, row, text), "exact": exact,
+                      "accepted_drafts": accepted, "finished": finished, "repetition": repeated_ngram_share(answer_ids),
+                      "answer": text}
+            if base_model is not None:  # outside the timing
+                record["base_nll"] = answer_nll(base_model, ids, answer_ids, eos if finished else None)
             if method in BASELINE_OF and BASELINE_OF[method] in outputs:
-                record["mismatch"] = not torch.equal(outputs[BASELINE_OF[method]], out.sequences)
+                record["mismatch"] = not torch.equal(outputs[BASELINE_OF[method]], sequences)
             records.append(record)
             bar.update(1)
     bar.close()
-    methods = list(configs)
     datasets = list(dict.fromkeys(r["dataset"] for r in records))
     return {"config": _config_dict(config), "environment": _environment(model, config), "runs": methods,
             "summary": summarize_diffusion(records, methods),
             "by_dataset": {d: summarize_diffusion([r for r in records if r["dataset"] == d], methods) for d in datasets},
             "records": records}
+
+
+def repeated_ngram_share(tokens: torch.LongTensor, n: int = 4) -> float:
+    """Share of the n-grams of `tokens` that already occurred earlier in it (0 for fewer than n + 1 tokens)."""
+    grams = [tuple(tokens[i : i + n].tolist()) for i in range(len(tokens) - n + 1)]
+    return (len(grams) - len(set(grams))) / len(grams) if grams else 0.0
+
+
+@torch.no_grad()
+def answer_nll(base_model, prompt_ids: torch.LongTensor, answer_ids: torch.LongTensor, eos: int | None) -> tuple:
+    """(summed negative log-likelihood, token count) of the answer (and its EOS, when it ended with one) given the
+    prompt, under the causal LM `base_model`."""
+    target = answer_ids if eos is None else torch.cat([answer_ids, answer_ids.new_tensor([eos])])
+    if not len(target):
+        return 0.0, 0
+    sequence = torch.cat([prompt_ids[0], target])[None]
+    logits = base_model(input_ids=sequence).logits[0, prompt_ids.shape[1] - 1 : -1].float()
+    return float(torch.nn.functional.cross_entropy(logits, target, reduction="sum")), len(target)
 
 
 def _rows_not_used_for_calibration(config, graph) -> list[tuple[str, dict]]:
@@ -205,7 +257,12 @@ def summarize_diffusion(records: list[dict], methods: list[str]) -> dict:
         scored = [r["correct"] for r in rows if r["correct"] is not None]
         entry = {"prompts": len(rows), "nfe": nfe / max(len(rows), 1), "tokens_per_s": tokens / seconds if seconds else 0.0,
                  "seconds": seconds, "new_tokens": tokens,
-                 "accuracy": sum(scored) / len(scored) if scored else None, "exact": all(r["exact"] for r in rows)}
+                 "accuracy": sum(scored) / len(scored) if scored else None, "exact": all(r["exact"] for r in rows),
+                 "finished_rate": sum(r["finished"] for r in rows) / max(len(rows), 1),
+                 "repetition": sum(r["repetition"] for r in rows) / max(len(rows), 1)}
+        nll = [r["base_nll"] for r in rows if "base_nll" in r]
+        if nll and sum(n for _, n in nll):
+            entry["base_perplexity"] = math.exp(sum(x for x, _ in nll) / sum(n for _, n in nll))
         if method.startswith("spiffy"):
             entry["accepted_drafts_per_prompt"] = sum(r["accepted_drafts"] for r in rows) / max(len(rows), 1)
         if any("mismatch" in r for r in rows):
@@ -219,19 +276,23 @@ def summarize_diffusion(records: list[dict], methods: list[str]) -> dict:
 
 
 def diffusion_markdown_table(result: dict) -> str:
-    lines = ["| dataset | method | NFE | NFE reduction | tokens/s | speedup | accuracy | mismatches | exact |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| dataset | method | NFE | NFE reduction | tokens/s | speedup | accuracy | finished | repeated 4-grams | "
+             "base ppl | mismatches | exact |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     groups = list(result["by_dataset"].items()) + [("all", result["summary"])]
     for dataset, summary in groups:
         for method, e in summary.items():
             fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
             lines.append(f"| {dataset} | {method} | {e['nfe']:.1f} | {fmt(e['nfe_reduction_vs_steps'], '.2f')}x | "
                          f"{e['tokens_per_s']:.1f} | {fmt(e['speedup_vs_steps'], '.2f')}x | "
-                         f"{fmt(e['accuracy'], '.2f')} | {e.get('lossless_mismatches', '')} | {e['exact']} |")
+                         f"{fmt(e['accuracy'], '.2f')} | {fmt(e.get('finished_rate'), '.2f')} | "
+                         f"{fmt(e.get('repetition'), '.2f')} | {fmt(e.get('base_perplexity'), '.1f')} | "
+                         f"{e.get('lossless_mismatches', '')} | {e['exact']} |")
     env = result["environment"]
     lines.append("")
     lines.append(f"{env.get('device')}, {env.get('dtype')}, torch {env.get('torch')}, transformers "
-                 f"{env.get('transformers')}; accuracy: GSM8K / MATH-500 answer match, code sets: code parses.")
+                 f"{env.get('transformers')}; accuracy: GSM8K / MATH-500 answer match, code sets: code parses; finished: answers "
+                 "ending with EOS within the budget; repeated 4-grams: share of an answer's 4-grams seen earlier in it; "
+                 "base ppl: the AR base's perplexity of the answers.")
     return "\n".join(lines)
 
 

@@ -97,9 +97,10 @@ def require_bench_data():
         pytest.skip("benchmark data (shared/data) not available")
 
 
-def small_dlm_with_smollm_tokenizer(folder):
+def small_dlm_with_smollm_tokenizer(folder, base_folder=None):
     """A small random diffusion LM (Dream-style shifted logits) with SmolLM2's real tokenizer, saved to `folder`
-    with the tokenizer; returns the tokenizer. For end-to-end runs of the calibrate and bench commands."""
+    with the tokenizer (and the causal LM it was made from to `base_folder`); returns the tokenizer. For end-to-end
+    runs of the calibrate and bench commands."""
     from transformers import AutoTokenizer
 
     from hf_specdiff.diffusion import DiffusionLM
@@ -110,4 +111,6 @@ def small_dlm_with_smollm_tokenizer(folder):
                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
     DiffusionLM.from_causal_lm(base, mask_token_id=16, shift_logits=True).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    if base_folder is not None:
+        base.save_pretrained(base_folder)
     return tokenizer

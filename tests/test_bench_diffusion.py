@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import require_bench_data, small_dlm_with_smollm_tokenizer
 
@@ -16,23 +17,29 @@ from hf_specdiff.spiffy import DraftGraph
 
 def test_diffusion_bench_end_to_end(tmp_path):
     require_bench_data()
-    small_dlm_with_smollm_tokenizer(tmp_path / "dlm")
+    small_dlm_with_smollm_tokenizer(tmp_path / "dlm", base_folder=tmp_path / "base")
     main(["calibrate", "--model", str(tmp_path / "dlm"), "--output", str(tmp_path / "dlm"), "--limit", "2",
           "--max-new-tokens", "16", "--block-length", "8", "--cache", "dual", "--num-nodes", "8"])
     main(["bench", "--target", str(tmp_path / "dlm"), "--datasets", "gsm8k", "mbpp", "--limit", "2",
-          "--methods", "steps", "threshold", "spiffy", "spiffy_threshold", "--max-new-tokens", "16",
-          "--block-length", "8", "--threshold", "0.05", "--json", str(tmp_path / "out.json"),
+          "--methods", "steps", "threshold", "spiffy", "spiffy_threshold", "ar_base", "--max-new-tokens", "16",
+          "--block-length", "8", "--threshold", "0.05", "--base", str(tmp_path / "base"), "--json", str(tmp_path / "out.json"),
           "--markdown", str(tmp_path / "out.md"), "--plots", str(tmp_path / "plots")])
     result = json.loads((tmp_path / "out.json").read_text())
     summary = result["summary"]
-    assert result["runs"] == ["steps", "threshold", "spiffy", "spiffy_threshold"]
+    assert result["runs"] == ["steps", "threshold", "spiffy", "spiffy_threshold", "ar_base"]
     assert summary["steps"]["nfe"] == 16 and summary["steps"]["nfe_reduction_vs_steps"] == 1.0
+    for name, entry in summary.items():  # coherence measures for every method, the AR base's too
+        assert 0 <= entry["finished_rate"] <= 1 and 0 <= entry["repetition"] <= 1, name
+        assert entry["base_perplexity"] > 1, name
+    # the AR base: one forward per generated token (EOS included), none when it stopped at once
+    base_records = [r for r in result["records"] if r["method"] == "ar_base"]
+    assert all(r["nfe"] == r["new_tokens"] + r["finished"] for r in base_records)
     for name in ("spiffy", "spiffy_threshold"):
         assert summary[name]["lossless_mismatches"] == 0 and summary[name]["exact"]
         assert summary[name]["nfe"] <= summary[name.replace("spiffy_", "").replace("spiffy", "steps")]["nfe"]
     assert set(result["by_dataset"]) == {"gsm8k", "mbpp"}
     assert all(r["correct"] in (True, False) for r in result["records"])
-    assert "| all | spiffy |" in (tmp_path / "out.md").read_text()
+    assert "| all | spiffy |" in (tmp_path / "out.md").read_text() and "| all | ar_base |" in (tmp_path / "out.md").read_text()
     assert (tmp_path / "plots" / "nfe.png").is_file()
 
     graph = DraftGraph.from_pretrained(tmp_path / "dlm")
@@ -67,3 +74,31 @@ def test_accuracy_scorers():
     assert score("mbpp", {}, "```python\ndef f(x):\n    return x\n```")
     assert not score("humaneval", {}, "def f(x) return x")
     assert score("mt_bench", {}, "anything") is None
+
+
+def test_coherence_measures():
+    from hf_specdiff.bench_diffusion import answer_nll, repeated_ngram_share
+
+    assert repeated_ngram_share(torch.tensor([1, 2, 3, 4, 5, 6])) == 0.0
+    assert repeated_ngram_share(torch.tensor([1, 2, 3, 4] * 3)) == 5 / 9  # 9 4-grams: the first 4 are new, the other 5 repeat
+    assert repeated_ngram_share(torch.tensor([1, 2, 3])) == 0.0
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1)).eval()
+    prompt = torch.tensor([[3, 7, 9]])
+    greedy = int(base(input_ids=prompt).logits[0, -1].argmax())
+    nll = {token: answer_nll(base, prompt, torch.tensor([token]), None) for token in range(50)}
+    assert all(count == 1 for _, count in nll.values())
+    assert min(nll, key=lambda token: nll[token][0]) == greedy  # the base's own choice is the likeliest to it
+    assert answer_nll(base, prompt, torch.tensor([greedy]), eos=2)[1] == 2  # an answer that ended counts its EOS
+    assert answer_nll(base, prompt, torch.tensor([], dtype=torch.long), None) == (0.0, 0)
+
+
+def test_ar_base_needs_a_base(tmp_path):
+    small_dlm_with_smollm_tokenizer(tmp_path / "dlm")
+    from hf_specdiff.bench_diffusion import run_diffusion_bench
+
+    with pytest.raises(ValueError, match="pass --base"):
+        run_diffusion_bench(BenchConfig(target=str(tmp_path / "dlm"), methods=["steps", "ar_base"]))

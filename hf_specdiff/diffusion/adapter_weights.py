@@ -43,6 +43,15 @@ def is_adapter_config(published: dict) -> bool:
     return published.get("model_type") == ADAPTER_MODEL_TYPE
 
 
+def named_base(where: str | os.PathLike, **hub_kwargs) -> str | None:
+    """The base a diffusion LM folder (or Hub repo) was adapted from, when it is an adapter that names one."""
+    from transformers.utils import cached_file
+
+    config_file = cached_file(str(where), "config.json", _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+    published = json.loads(Path(config_file).read_text()) if config_file else {}
+    return published.get("base") if is_adapter_config(published) else None
+
+
 def base_facts(model: nn.Module) -> dict:
     """The base config values an adapter depends on (stored, then checked when the adapter is applied)."""
     config = model.config.to_dict()
