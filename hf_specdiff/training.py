@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,8 @@ class TrainConfig:
     holdout_sequences: int = 16  # kept out of training to estimate acceptance
     eval_every: int = 100
     save_every: int = 100
+    # wall-clock budget of this call: after timing the pace, the run ends (schedule and all) where the budget reaches
+    time_budget_minutes: float | None = None
     seed: int = 0
     log_file: str | None = None  # JSONL of step, losses and held-out tau; default <output_dir>/log.jsonl
 
@@ -308,11 +311,91 @@ def warmup_cosine(warmup_steps: int, max_steps: int):
     return schedule
 
 
+class StepPlan:
+    """Which optimizer step is the last, which ones evaluate and save, and the learning rate of each (both trainers).
+
+    The last step is `max_steps`, unless a wall-clock budget (`minutes`) would not reach it: then the pace is timed
+    over `probe_steps` steps (after the first, which pays for warm-up and any compilation) and the last step becomes
+    the one the budget reaches at that pace, keeping `reserve` of what is left for evaluations and saves. The
+    learning-rate schedule reads the last step when it is asked, so a cut run still warms up and decays to its end
+    (the warm-up shrinks to a tenth of a cut run if it was longer). The plan is saved with each checkpoint: a resumed
+    run that a budget cut keeps its cut (a run that was not cut may be resumed with a larger max_steps), and with a
+    budget times itself again, from the start of that call, and may end sooner.
+    The clock starts when the plan is made: at the start of the trainer's call, so loading counts.
+    """
+
+    FILE = "step_plan.json"
+
+    def __init__(self, max_steps: int, warmup_steps: int, eval_every: int, save_every: int,
+                 minutes: float | None = None, probe_steps: int = 20, reserve: float = 0.1):
+        if minutes is not None and minutes <= 0:
+            raise ValueError(f"time_budget_minutes must be positive (or None for no budget); got {minutes}.")
+        self.max_steps = self.last_step = max_steps
+        self.warmup_steps, self.eval_every, self.save_every = warmup_steps, eval_every, save_every
+        self.minutes, self.probe_steps, self.reserve = minutes, probe_steps, reserve
+        self._started = time.perf_counter()
+        self._probe: tuple[int, float] | None = None  # (step, time) the pace is timed from
+        self._timed = minutes is None
+
+    def lr_factor(self, step: int) -> float:
+        warmup = self.warmup_steps
+        if self.last_step < self.max_steps:
+            warmup = min(warmup, max(1, self.last_step // 10))
+        return warmup_cosine(warmup, self.last_step)(step)
+
+    def after_step(self, step: int) -> None:
+        """Call after optimizer step `step` (counted from 1) has finished."""
+        if self._timed:
+            return
+        now = time.perf_counter()
+        if self._probe is None:
+            self._probe = (step, now)
+            return
+        first, start = self._probe
+        if step - first < self.probe_steps:
+            return
+        seconds_per_step = max((now - start) / (step - first), 1e-9)
+        left = (self.minutes * 60 - (now - self._started)) * (1 - self.reserve)
+        self.last_step = max(step, min(self.last_step, step + int(left / seconds_per_step)))
+        self._timed = True
+
+    def evaluates(self, step: int) -> bool:
+        return step % self.eval_every == 0 or step == self.last_step
+
+    def saves(self, step: int) -> bool:
+        return step % self.save_every == 0 or step == self.last_step
+
+    def resume(self, accelerator, checkpoints: Path, **load_kwargs) -> int:
+        """Load the latest checkpoint under `checkpoints`, if any; returns the step it was saved at (0 if none)."""
+        latest = _latest_checkpoint(checkpoints)
+        if latest is None:
+            return 0
+        accelerator.load_state(str(latest), **load_kwargs)
+        saved = json.loads((latest / self.FILE).read_text()) if (latest / self.FILE).is_file() else {}
+        if saved and saved["last_step"] < saved["max_steps"]:  # a run its budget cut: it keeps the cut
+            self.last_step = min(self.max_steps, saved["last_step"])
+        return int(latest.name.split("-")[-1])
+
+    def save_checkpoint(self, accelerator, checkpoints: Path, step: int, save_artifact) -> None:
+        """Checkpoint (training state and this plan, the latest two kept), then `save_artifact()` on the main
+        process."""
+        accelerator.wait_for_everyone()
+        folder = checkpoints / f"checkpoint-{step}"
+        accelerator.save_state(str(folder))
+        if accelerator.is_main_process:
+            (folder / self.FILE).write_text(json.dumps({"last_step": self.last_step, "max_steps": self.max_steps}))
+        _prune_checkpoints(checkpoints, keep=2)
+        if accelerator.is_main_process:
+            save_artifact()
+
+
 def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = True) -> Speculator:
     """Train (or resume) a speculator for `target`; returns it and writes `output_dir/speculator` and checkpoints."""
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
+    plan = StepPlan(config.max_steps, config.warmup_steps, config.eval_every, config.save_every,
+                    config.time_budget_minutes)  # its clock starts now: the budget covers loading too
     output_dir = Path(config.output_dir)
     accelerator = Accelerator(mixed_precision=config.mixed_precision,
                               gradient_accumulation_steps=config.gradient_accumulation_steps)
@@ -346,23 +429,20 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
     trainer = SpeculatorTrainer(target, speculator, config)
     optimizer = torch.optim.AdamW(speculator.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.warmup_steps, config.max_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.lr_factor)
     speculator, optimizer, scheduler = accelerator.prepare(speculator, optimizer, scheduler)
     trainer.speculator = accelerator.unwrap_model(speculator)
 
-    step = 0
     checkpoints = output_dir / "checkpoints"
-    if (latest := _latest_checkpoint(checkpoints)) is not None:
-        accelerator.load_state(str(latest))
-        step = int(latest.name.split("-")[-1])
+    step = plan.resume(accelerator, checkpoints)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2))
     log_path = Path(config.log_file) if config.log_file else output_dir / "log.jsonl"
 
     holdout_batch = collate(holdout, pad_id)
-    bar = tqdm(total=config.max_steps, initial=step, desc="train", disable=not progress or not accelerator.is_main_process)
+    bar = tqdm(total=plan.last_step, initial=step, desc="train", disable=not progress or not accelerator.is_main_process)
     estimate = {}
-    while step < config.max_steps:
+    while step < plan.last_step:
         speculator.train()
         for micro_step in range(config.gradient_accumulation_steps):
             with accelerator.accumulate(speculator):
@@ -381,8 +461,10 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
                 scheduler.step()
                 optimizer.zero_grad()
         step += 1
+        plan.after_step(step)
+        bar.total = plan.last_step
         record = {"step": step, "lr": scheduler.get_last_lr()[0], **{k: float(v.detach()) for k, v in losses.items()}}
-        if step % config.eval_every == 0 or step == config.max_steps:
+        if plan.evaluates(step):
             speculator.eval()
             ids, mask, starts = (t.to(accelerator.device) for t in holdout_batch)
             estimate = trainer.estimate_tau(ids, mask, starts, torch.Generator().manual_seed(config.seed))
@@ -392,12 +474,9 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
                 log.write(json.dumps(record) + "\n")
         bar.set_postfix(loss=f"{record['loss']:.3f}", **{f"tau_{k}": f"{v:.2f}" for k, v in estimate.items()})
         bar.update(1)
-        if step % config.save_every == 0 or step == config.max_steps:
-            accelerator.wait_for_everyone()
-            accelerator.save_state(str(checkpoints / f"checkpoint-{step}"))
-            _prune_checkpoints(checkpoints, keep=2)
-            if accelerator.is_main_process:
-                accelerator.unwrap_model(speculator).save_pretrained(output_dir / "speculator")
+        if plan.saves(step):
+            plan.save_checkpoint(accelerator, checkpoints, step,
+                                 lambda: accelerator.unwrap_model(speculator).save_pretrained(output_dir / "speculator"))
     bar.close()
     return accelerator.unwrap_model(speculator).eval()
 

@@ -91,3 +91,56 @@ def test_unsupported_target_fails_before_training(tmp_path, target):
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB))
     with pytest.raises(ValueError, match="Llama / Qwen2 / Qwen3"):
         train(tiny_config(tmp_path, data, holdout_sequences=2), target=gpt2, progress=False)
+
+
+class FakeClock:
+    """Stands in for time.perf_counter in hf_specdiff.training; tests move `now`."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_step_plan_fits_the_run_into_its_time_budget(monkeypatch, tmp_path):
+    from hf_specdiff import training
+    from hf_specdiff.training import StepPlan, warmup_cosine
+
+    clock = FakeClock()
+    monkeypatch.setattr(training.time, "perf_counter", clock)
+    unbudgeted = StepPlan(max_steps=1000, warmup_steps=50, eval_every=100, save_every=250)
+    assert [unbudgeted.lr_factor(s) for s in (0, 49, 500, 999)] == [warmup_cosine(50, 1000)(s) for s in (0, 49, 500, 999)]
+    plan = StepPlan(max_steps=1000, warmup_steps=50, eval_every=100, save_every=250, minutes=2, probe_steps=20)
+    clock.now = 10.0  # loading took 10 s
+    for step in range(1, 22):
+        clock.now += 5.0 if step == 1 else 0.5  # the first step compiles; then 0.5 s a step
+        plan.after_step(step)
+        assert plan.last_step == (1000 if step < 21 else 21 + int((120 - clock.now) * 0.9 / 0.5))
+    assert plan.last_step == 21 + 171  # (120 s - 25 s spent) * 90% = 85.5 s at 0.5 s a step
+    assert plan.evaluates(plan.last_step) and plan.saves(plan.last_step) and not plan.saves(plan.last_step - 1)
+    # the schedule is stretched to the cut: warm-up shrunk to a tenth (19 steps), full decay at the last step
+    assert plan.lr_factor(18) == 1.0 and plan.lr_factor(plan.last_step) == pytest.approx(0.1)
+    # never past max_steps, however much time is left
+    roomy = StepPlan(max_steps=30, warmup_steps=5, eval_every=10, save_every=10, minutes=60, probe_steps=3)
+    for step in range(1, 6):
+        clock.now += 0.5
+        roomy.after_step(step)
+    assert roomy.last_step == 30
+    with pytest.raises(ValueError, match="time_budget_minutes must be positive"):
+        StepPlan(max_steps=10, warmup_steps=1, eval_every=1, save_every=1, minutes=0)
+
+
+def test_budgeted_run_ends_early_with_a_complete_artifact_and_resumes_to_its_cut(tmp_path, target):
+    data = write_distill(tmp_path / "distill.jsonl", target, rows=12)
+    # a budget that is spent by the time the pace is known: the run ends right after timing 20 steps
+    train(tiny_config(tmp_path, data, max_steps=200, save_every=50, time_budget_minutes=1e-4), target=target,
+          progress=False)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").open()]
+    assert [r["step"] for r in log] == list(range(1, 22)) and "tau_xpress" in log[-1]
+    checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint-21"
+    assert json.loads((checkpoint / "step_plan.json").read_text()) == {"last_step": 21, "max_steps": 200}
+    AutoSpeculator.from_pretrained(tmp_path / "run" / "speculator")
+    # resuming keeps the cut: nothing left to do
+    train(tiny_config(tmp_path, data, max_steps=200, save_every=50), target=target, progress=False)
+    assert len((tmp_path / "run" / "log.jsonl").read_text().splitlines()) == 21

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..training import _latest_checkpoint, _prune_checkpoints, collate, load_sequences, warmup_cosine
+from ..training import StepPlan, _latest_checkpoint, collate, load_sequences
 from .adapter_weights import EMBEDDED_BASE, MASK_EMBEDDING, base_facts, load_base, save_adapter
 from .decoding import DiffusionGenerationConfig
 from .modeling import DiffusionLM
@@ -94,6 +94,8 @@ class DiffusionTrainConfig:
     eval_sequences: int = 64  # held out of training; masked-token accuracy on them every eval_every steps
     eval_every: int = 100
     save_every: int = 250  # checkpoint and artifact every this many steps (and at the end)
+    # wall-clock budget of this call: after timing the pace, the run ends (schedule and all) where the budget reaches
+    time_budget_minutes: float | None = None
     seed: int = 0
     log_file: str | None = None  # JSONL of step, loss, accuracy, held-out metrics; default <output_dir>/log.jsonl
 
@@ -288,6 +290,8 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
     from tqdm.auto import tqdm
 
     _check_config(config)
+    plan = StepPlan(config.max_steps, config.warmup_steps, config.eval_every, config.save_every,
+                    config.time_budget_minutes)  # its clock starts now: the budget covers loading too
     output_dir = Path(config.output_dir)
     accelerator = Accelerator(mixed_precision=config.mixed_precision,
                               gradient_accumulation_steps=config.gradient_accumulation_steps)
@@ -322,16 +326,14 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
     trainable = [p for p in trainee.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.warmup_steps, config.max_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.lr_factor)
     trainee, optimizer, scheduler = accelerator.prepare(trainee, optimizer, scheduler)
     accelerator.register_save_state_pre_hook(_keep_trainable_only)
 
-    step = 0
     checkpoints = output_dir / "checkpoints"
-    if (latest := _latest_checkpoint(checkpoints)) is not None:
+    if _latest_checkpoint(checkpoints) is not None:
         _check_resumable(output_dir, config)
-        accelerator.load_state(str(latest), strict=False)  # frozen weights are not in checkpoints
-        step = int(latest.name.split("-")[-1])
+    step = plan.resume(accelerator, checkpoints, strict=False)  # frozen weights are not in checkpoints
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2))
     log_path = Path(config.log_file) if config.log_file else output_dir / "log.jsonl"
@@ -352,10 +354,10 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
     if step == 0:  # the converted model before any training: the baseline of the held-out metrics
         trainee.eval()
         log({"step": 0, **evaluate(trainee, holdout_batches, config, accelerator.device, accelerator)})
-    bar = tqdm(total=config.max_steps, initial=step, desc="train-diffusion",
+    bar = tqdm(total=plan.last_step, initial=step, desc="train-diffusion",
                disable=not progress or not accelerator.is_main_process)
     evaluation = {}
-    while step < config.max_steps:
+    while step < plan.last_step:
         trainee.train()
         started = time.perf_counter()
         total_loss, total, correct = 0.0, 0, 0
@@ -378,10 +380,12 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
                 optimizer.zero_grad()
             total_loss, total, correct = total_loss + float(loss.detach()), total + n, correct + right
         step += 1
+        plan.after_step(step)
+        bar.total = plan.last_step
         record = {"step": step, "lr": scheduler.get_last_lr()[0],
                   "loss": total_loss / config.gradient_accumulation_steps, "accuracy": correct / max(total, 1),
                   "masked_tokens": total, "seconds": time.perf_counter() - started}
-        if step % config.eval_every == 0 or step == config.max_steps:
+        if plan.evaluates(step):
             trainee.eval()
             evaluation = evaluate(trainee, holdout_batches, config, accelerator.device, accelerator)
             record.update(evaluation)
@@ -389,12 +393,8 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
         bar.set_postfix(loss=f"{record['loss']:.3f}", **{k: f"{v:.3f}" for k, v in evaluation.items()
                                                          if k.endswith("accuracy")})
         bar.update(1)
-        if step % config.save_every == 0 or step == config.max_steps:
-            accelerator.wait_for_everyone()
-            accelerator.save_state(str(checkpoints / f"checkpoint-{step}"))
-            _prune_checkpoints(checkpoints, keep=2)
-            if accelerator.is_main_process:
-                save_artifact()
+        if plan.saves(step):
+            plan.save_checkpoint(accelerator, checkpoints, step, save_artifact)
     bar.close()
     if accelerator.is_main_process and not (output_dir / "diffusion_lm" / "config.json").is_file():
         save_artifact()  # resumed at max_steps, or save points never reached the artifact

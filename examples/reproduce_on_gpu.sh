@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Rebuild what the project ships for the embedded SmolLM2-135M-Instruct on one GPU, and measure it.
+#
+#   examples/reproduce_on_gpu.sh speculator OUT   train the dFlash drafter + xPress refiner + Markov head on the
+#                                                  distill corpus, export it, bench it (batch 1 and the batch curve)
+#   examples/reproduce_on_gpu.sh diffusion OUT    train the diffusion LM adapter, calibrate its Spiffy graph on
+#                                                  25 MATH-500 + 25 MBPP prompts, bench it against its AR base
+#
+# Environment (all optional):
+#   HF_SPECDIFF_DATA   benchmark sets and distill/ (default: ../shared/data)
+#   TRAIN_MINUTES      wall-clock budget of the training run (default: none, the config's max_steps)
+#   BENCH_LIMIT        prompts per dataset at batch size 1 (default 20); the batch curve uses 64 GSM8K prompts
+#   MAX_NEW_TOKENS     per answer in every bench (default 256)
+#   QUICK=1            a CPU smoke run of the whole script: a few training steps, 2 prompts, short answers
+#
+# Everything lands in OUT: the artifact, train logs, bench JSON / Markdown / plots, and the commands that made them.
+set -euo pipefail
+stage="${1:?usage: $0 speculator|diffusion OUT}"
+out="${2:?usage: $0 speculator|diffusion OUT}"
+here="$(cd "$(dirname "$0")" && pwd)"
+data="${HF_SPECDIFF_DATA:-$here/../../shared/data}"
+distill="$data/distill/smollm2-135m-instruct"
+limit="${BENCH_LIMIT:-20}"
+tokens="${MAX_NEW_TOKENS:-256}"
+budget=(); [[ -n "${TRAIN_MINUTES:-}" ]] && budget=(--time-budget-minutes "$TRAIN_MINUTES")
+quick=(); curve_limit=64; curve_sizes=(1 4 16 32 64); calibrate_limit=25; dtype=bfloat16; block=32
+if [[ "${QUICK:-0}" == 1 ]]; then
+  quick=(--max-steps 3 --batch-size 2 --eval-every 3 --save-every 3 --max-seq-len 128)
+  limit=2; tokens=16; curve_limit=2; curve_sizes=(1 2); calibrate_limit=1; dtype=float32; block=8
+fi
+hardware="$(python -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU")')"
+mkdir -p "$out"
+export HF_SPECDIFF_DATA="$data"
+run() { echo "+ $*" | tee -a "$out/commands.txt"; "$@"; }
+
+if [[ "$stage" == speculator ]]; then
+  run hf-specdiff train --config "$here/configs/smollm2-135m-gpu.json" --output-dir "$out/train" \
+      --data "$distill/gsm8k_train.jsonl" "$distill/sharegpt.jsonl" "${budget[@]}" "${quick[@]}"
+  run hf-specdiff bench --speculator "$out/train/speculator" --datasets gsm8k humaneval mt_bench --limit "$limit" \
+      --max-new-tokens "$tokens" --methods ar ar_static dflash xpress markov dflash_hf prompt_lookup \
+      --jacobi-passes 1 2 4 --dtype "$dtype" --json "$out/bench.json" --markdown "$out/bench.md" --plots "$out"
+  run hf-specdiff bench --speculator "$out/train/speculator" --datasets gsm8k --limit "$curve_limit" \
+      --batch-size "${curve_sizes[@]}" --max-new-tokens "$tokens" --methods ar dflash xpress --dtype "$dtype" \
+      --json "$out/curve.json" --markdown "$out/curve.md" --plots "$out"
+  run hf-specdiff export --run "$out/train" --output "$out/speculator" --dtype bfloat16 \
+      --template "$here/../model_cards/speculator.md" --train-hardware "$hardware" --bench-json "$out/bench.json" \
+      --bench-command "hf-specdiff bench --datasets gsm8k humaneval mt_bench --limit $limit --max-new-tokens $tokens"
+elif [[ "$stage" == diffusion ]]; then
+  run hf-specdiff train-diffusion --config "$here/configs/smollm2-135m-diffusion-gpu.json" --output-dir "$out/train" \
+      --data "$distill/gsm8k_train.jsonl" "$distill/sharegpt.jsonl" "${budget[@]}" "${quick[@]}"
+  run hf-specdiff calibrate --model "$out/train/diffusion_lm" --output "$out/train/diffusion_lm" \
+      --limit "$calibrate_limit" --max-new-tokens "$tokens" --block-length "$block" --cache dual
+  run hf-specdiff bench --target "$out/train/diffusion_lm" --datasets gsm8k humaneval mbpp math500 \
+      --limit "$limit" --max-new-tokens "$tokens" --block-length "$block" --cache dual --dtype "$dtype" \
+      --methods steps threshold spiffy spiffy_threshold ar_base \
+      --json "$out/bench.json" --markdown "$out/bench.md" --plots "$out"
+else
+  echo "unknown stage $stage: speculator or diffusion" >&2
+  exit 2
+fi
+echo "done: $out"
