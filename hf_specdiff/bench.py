@@ -168,10 +168,12 @@ def _method_runs(config: BenchConfig, speculator, max_cache_len: int) -> list[tu
             runs.append((method, dict(cache_implementation="static", max_cache_len=max_cache_len,
                                       **_compile_kwargs(config.compile))))
         elif method == "ar":
-            runs.append(("ar", {}))
+            pass  # always first, below
         else:
             raise ValueError(f"Unknown method {method!r}; choose from {', '.join(METHODS)}.")
-    return [("ar", {})] + [r for r in runs if r[0] != "ar"]  # every ratio is relative to plain generate
+    # every ratio is relative to plain generate, whose scores (greedy runs) tell near-ties from real mismatches
+    reference = ("ar", {"output_scores": True} if config.temperature == 0 else {})
+    return [reference] + [r for r in runs if r[0] != "ar"]
 
 
 def _compile_kwargs(setting: bool | None) -> dict:
@@ -275,12 +277,10 @@ def load_models(config: BenchConfig, target=None, tokenizer=None, speculator=Non
 
 
 def generate_kwargs(config: BenchConfig) -> dict:
-    """What every measured `generate` call shares: greedy with scores (for the near-tie check), or sampled."""
+    """What every measured `generate` call shares: greedy or sampled, the budget, a dict output."""
     common = dict(max_new_tokens=config.max_new_tokens, do_sample=config.temperature > 0, return_dict_in_generate=True)
     if config.temperature > 0:
         common["temperature"] = config.temperature
-    else:
-        common["output_scores"] = True
     return common
 
 

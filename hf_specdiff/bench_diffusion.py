@@ -281,9 +281,9 @@ def diffusion_markdown_table(result: dict) -> str:
     groups = list(result["by_dataset"].items()) + [("all", result["summary"])]
     for dataset, summary in groups:
         for method, e in summary.items():
-            fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
-            lines.append(f"| {dataset} | {method} | {e['nfe']:.1f} | {fmt(e['nfe_reduction_vs_steps'], '.2f')}x | "
-                         f"{e['tokens_per_s']:.1f} | {fmt(e['speedup_vs_steps'], '.2f')}x | "
+            fmt = lambda v, spec, unit="": "-" if v is None else format(v, spec) + unit  # noqa: E731
+            lines.append(f"| {dataset} | {method} | {e['nfe']:.1f} | {fmt(e['nfe_reduction_vs_steps'], '.2f', 'x')} | "
+                         f"{e['tokens_per_s']:.1f} | {fmt(e['speedup_vs_steps'], '.2f', 'x')} | "
                          f"{fmt(e['accuracy'], '.2f')} | {fmt(e.get('finished_rate'), '.2f')} | "
                          f"{fmt(e.get('repetition'), '.2f')} | {fmt(e.get('base_perplexity'), '.1f')} | "
                          f"{e.get('lossless_mismatches', '')} | {e['exact']} |")
