@@ -389,18 +389,26 @@ class StepPlan:
             save_artifact()
 
 
-def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = True) -> Speculator:
-    """Train (or resume) a speculator for `target`; returns it and writes `output_dir/speculator` and checkpoints."""
+def start_run(config):
+    """What both trainers do first: the step plan (its clock starts here, so the budget covers loading too), the
+    accelerator, the seeds."""
     from accelerate import Accelerator
-    from tqdm.auto import tqdm
 
     plan = StepPlan(config.max_steps, config.warmup_steps, config.eval_every, config.save_every,
-                    config.time_budget_minutes)  # its clock starts now: the budget covers loading too
-    output_dir = Path(config.output_dir)
+                    config.time_budget_minutes)
     accelerator = Accelerator(mixed_precision=config.mixed_precision,
                               gradient_accumulation_steps=config.gradient_accumulation_steps)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
+    return plan, accelerator
+
+
+def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = True) -> Speculator:
+    """Train (or resume) a speculator for `target`; returns it and writes `output_dir/speculator` and checkpoints."""
+    from tqdm.auto import tqdm
+
+    plan, accelerator = start_run(config)
+    output_dir = Path(config.output_dir)
 
     # Everything that can be wrong is checked before the first step.
     if target is None:

@@ -114,3 +114,62 @@ def small_dlm_with_smollm_tokenizer(folder, base_folder=None):
     if base_folder is not None:
         base.save_pretrained(base_folder)
     return tokenizer
+
+
+# -- exact references for the sampling tests ------------------------------------------------------------------------
+
+
+def make_sampling_pair(vocab_size: int = 6):
+    """A target on a tiny vocabulary and an oracle speculator (block 4) for the sampling tests. The oracle add-ons
+    propose t -> t + 1, which the target favours but not always: drafts are accepted often and rejected often, so
+    acceptance, residual resampling and bonus draws are all exercised."""
+    target = hf_specdiff.enable(make_successor_target(vocab_size=vocab_size, layer_scale=3.0, logit_scale=0.6))
+    return target, make_speculator(target, block_size=4, oracle=True, strength=1.2)
+
+
+def exact_distribution(target, prompt: torch.Tensor, new_tokens: int, temperature: float = 1.0,
+                       top_k: int | None = None) -> dict[tuple, float]:
+    """P(t1..tn | prompt) (prompt: (1, L)) for every continuation of `new_tokens` tokens, through the warpers
+    generate applies (temperature, top-k): an exact reference, not another sample."""
+    def warped_probs(sequences: torch.Tensor) -> torch.Tensor:
+        logits = target(sequences).logits[:, -1].float() / temperature
+        if top_k is not None:
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return logits.softmax(-1)
+
+    probabilities = {(): 1.0}
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            prefixes = list(probabilities)
+            suffix = torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), -1)
+            probs = warped_probs(torch.cat([prompt.repeat(len(prefixes), 1), suffix], 1))
+            probabilities = {
+                prefix + (token,): probabilities[prefix] * float(probs[row, token])
+                for row, prefix in enumerate(prefixes)
+                for token in range(probs.shape[-1])
+                if probs[row, token] > 0
+            }
+    return probabilities
+
+
+def chi_square_p_value(counts: dict[tuple, int], expected_probs: dict[tuple, float], draws: int) -> float:
+    """Pearson chi-square with cells of expected count < 5 pooled into one."""
+    cells, pooled_observed, pooled_expected = [], 0, 0.0
+    for outcome, probability in expected_probs.items():
+        expected = probability * draws
+        if expected < 5:
+            pooled_observed += counts.get(outcome, 0)
+            pooled_expected += expected
+        else:
+            cells.append((counts.get(outcome, 0), expected))
+    unexpected = sum(n for outcome, n in counts.items() if outcome not in expected_probs)
+    pooled_observed += unexpected
+    if pooled_expected > 0:
+        cells.append((pooled_observed, max(pooled_expected, 1e-12)))
+    elif unexpected:
+        return 0.0  # an outcome of probability zero was drawn
+    statistic = sum((observed - expected) ** 2 / expected for observed, expected in cells)
+    dof = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))

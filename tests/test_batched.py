@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, make_speculator, make_successor_target, make_target
-from test_sampling import chi_square_p_value
+from conftest import (
+    VOCAB,
+    chi_square_p_value,
+    exact_distribution,
+    make_sampling_pair,
+    make_speculator,
+    make_successor_target,
+    make_target,
+)
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specdiff
@@ -260,23 +267,6 @@ SAMPLING_VOCAB, NEW_TOKENS, DRAWS = 6, 4, 3000
 SAMPLING_PROMPTS = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]  # different lengths: the second is left-padded
 
 
-def exact_distribution(target, prompt: torch.Tensor) -> dict[tuple, float]:
-    """P(t1..tn | prompt) for every continuation (temperature 1, no warpers)."""
-    probabilities = {(): 1.0}
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            prefixes = list(probabilities)
-            suffix = torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), -1)
-            probs = target(torch.cat([prompt.repeat(len(prefixes), 1), suffix], 1)).logits[:, -1].softmax(-1)
-            probabilities = {
-                prefix + (token,): probabilities[prefix] * float(probs[row, token])
-                for row, prefix in enumerate(prefixes)
-                for token in range(SAMPLING_VOCAB)
-                if probs[row, token] > 0
-            }
-    return probabilities
-
-
 def batched_p_values(target, speculator):
     ids, mask = left_pad(SAMPLING_PROMPTS)
     counts = [{} for _ in SAMPLING_PROMPTS]
@@ -290,15 +280,14 @@ def batched_p_values(target, speculator):
         accepted += out.speculation.accepted_tokens
         drafted += out.speculation.drafted_tokens
     p_values = [
-        chi_square_p_value(c, exact_distribution(target, p[None]), DRAWS) for c, p in zip(counts, SAMPLING_PROMPTS)
+        chi_square_p_value(c, exact_distribution(target, p[None], NEW_TOKENS), DRAWS) for c, p in zip(counts, SAMPLING_PROMPTS)
     ]
     return p_values, accepted / max(drafted, 1)
 
 
 @pytest.fixture(scope="module")
 def sampling_setup():
-    target = hf_specdiff.enable(make_successor_target(vocab_size=SAMPLING_VOCAB, layer_scale=3.0, logit_scale=0.6))
-    return target, make_speculator(target, block_size=4, oracle=True, strength=1.2)
+    return make_sampling_pair(SAMPLING_VOCAB)
 
 
 @pytest.mark.slow

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..training import StepPlan, _latest_checkpoint, collate, load_sequences
+from ..training import _latest_checkpoint, collate, load_sequences, start_run
 from .adapter_weights import EMBEDDED_BASE, MASK_EMBEDDING, base_facts, load_base, save_adapter
 from .decoding import DiffusionGenerationConfig
 from .modeling import DiffusionLM
@@ -286,17 +286,11 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
 
     base: a loaded Llama-layout causal LM (not modified: its weights are copied), else `config.base` is loaded.
     tokenizer: saved with the artifact (the embedded base's own is used when `base` is None)."""
-    from accelerate import Accelerator
     from tqdm.auto import tqdm
 
     _check_config(config)
-    plan = StepPlan(config.max_steps, config.warmup_steps, config.eval_every, config.save_every,
-                    config.time_budget_minutes)  # its clock starts now: the budget covers loading too
+    plan, accelerator = start_run(config)
     output_dir = Path(config.output_dir)
-    accelerator = Accelerator(mixed_precision=config.mixed_precision,
-                              gradient_accumulation_steps=config.gradient_accumulation_steps)
-    torch.manual_seed(config.seed)
-    random.seed(config.seed)
 
     # 1. Base, [MASK] id, data: everything that can be wrong is checked before the first step.
     base_name = _base_name(config, base)
