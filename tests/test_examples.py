@@ -1,11 +1,15 @@
-"""The notebook runs top to bottom at toy size on the CPU (its code cells, executed in order)."""
+"""The examples run: the notebook top to bottom at toy size on the CPU (its code cells, executed in order), and the
+GPU reproduction script at smoke size."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import require_bench_data
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "quickstart.ipynb"
 
@@ -19,3 +23,33 @@ def test_quickstart_notebook_runs_at_toy_size(tmp_path, monkeypatch):
     for cell in cells:
         exec(compile("".join(cell["source"]), f"{NOTEBOOK.name}", "exec"), namespace)
     assert (tmp_path / "runs" / "notebook" / "run" / "speculator" / "config.json").is_file()
+
+
+GPU_SCRIPT = NOTEBOOK.parent / "reproduce_on_gpu.sh"
+
+
+def test_gpu_script_parses():
+    subprocess.run(["bash", "-n", str(GPU_SCRIPT)], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["speculator", "diffusion"])
+def test_gpu_script_runs_end_to_end_at_smoke_size(tmp_path, stage):
+    """QUICK=1: every command of the script (train, bench, curve, export / train, calibrate, bench) at toy size."""
+    require_bench_data()
+    from hf_specdiff.bench import find_data_dir
+
+    data = find_data_dir(None).resolve()
+    if not (data / "distill" / "smollm2-135m-instruct").is_dir():
+        pytest.skip("distill corpus (shared/data/distill) not available")
+    env = {**os.environ, "QUICK": "1", "HF_SPECDIFF_DATA": str(data)}
+    subprocess.run(["bash", str(GPU_SCRIPT), stage, str(tmp_path / "out")], check=True, env=env,
+                   capture_output=True)
+    out = tmp_path / "out"
+    assert (out / "bench.json").is_file() and (out / "commands.txt").is_file()
+    if stage == "speculator":
+        assert json.loads((out / "curve.json").read_text())["kind"] == "batch_curve"
+        assert (out / "speculator" / "README.md").is_file()
+    else:
+        assert "ar_base" in json.loads((out / "bench.json").read_text())["runs"]
+        assert (out / "train" / "diffusion_lm" / "spiffy_graph.json").is_file()
