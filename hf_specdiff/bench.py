@@ -288,7 +288,7 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
     """Batch size 1, prompt by prompt (`config.batch_size` other than [1]: see `bench_batched.run_batch_bench`)."""
     from tqdm.auto import tqdm
 
-    if config.batch_size != [1]:
+    if list(config.batch_size) != [1]:
         from .bench_batched import run_batch_bench
 
         return run_batch_bench(config, target, tokenizer, speculator, progress)

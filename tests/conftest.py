@@ -127,6 +127,13 @@ def make_sampling_pair(vocab_size: int = 6):
     return target, make_speculator(target, block_size=4, oracle=True, strength=1.2)
 
 
+def accept_every_draft(target_scores, draft_scores, candidates):
+    """A broken `verify_sampling` for the negative controls: it keeps every draft token and draws the bonus from the
+    target, so the output leans towards the drafter's distribution; the sampling tests must catch it."""
+    bonus = torch.multinomial(target_scores[:, candidates.shape[1]].softmax(-1), 1)
+    return torch.cat([candidates, bonus], dim=1), torch.full_like(bonus[:, 0], candidates.shape[1])
+
+
 def exact_distribution(target, prompt: torch.Tensor, new_tokens: int, temperature: float = 1.0,
                        top_k: int | None = None) -> dict[tuple, float]:
     """P(t1..tn | prompt) (prompt: (1, L)) for every continuation of `new_tokens` tokens, through the warpers

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import (
     VOCAB,
+    accept_every_draft,
     chi_square_p_value,
     exact_distribution,
     make_sampling_pair,
@@ -299,11 +300,7 @@ def test_batched_sampling_matches_target_distribution_per_row(sampling_setup):
 
 @pytest.mark.slow
 def test_batched_negative_control_broken_verifier_is_caught(sampling_setup, monkeypatch):
-    def accept_everything(target_scores, draft_scores, candidates):
-        bonus = torch.multinomial(target_scores[:, candidates.shape[1]].softmax(-1), 1)
-        return torch.cat([candidates, bonus], dim=1), torch.full_like(bonus[:, 0], candidates.shape[1])
-
-    monkeypatch.setattr(hf_specdiff.generation, "verify_sampling", accept_everything)
+    monkeypatch.setattr(hf_specdiff.generation, "verify_sampling", accept_every_draft)
     p_values, _ = batched_p_values(*sampling_setup)
     assert max(p_values) < 1e-6, f"a verifier that accepts every draft must be detected in every row, got p={p_values}"
 

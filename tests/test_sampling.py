@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import chi_square_p_value, exact_distribution, make_sampling_pair
+from conftest import accept_every_draft, chi_square_p_value, exact_distribution, make_sampling_pair
 
 import hf_specdiff
 import hf_specdiff.generation
@@ -55,11 +55,7 @@ def test_speculative_sampling_matches_target_distribution(setup, method, tempera
 
 @pytest.mark.slow
 def test_negative_control_broken_verifier_is_caught(setup, monkeypatch):
-    def accept_everything(target_scores, draft_scores, candidates):
-        bonus = torch.multinomial(target_scores[:, candidates.shape[1]].softmax(-1), 1)
-        return torch.cat([candidates, bonus], dim=1), torch.full_like(bonus[:, 0], candidates.shape[1])
-
-    monkeypatch.setattr(hf_specdiff.generation, "verify_sampling", accept_everything)
+    monkeypatch.setattr(hf_specdiff.generation, "verify_sampling", accept_every_draft)
     target, speculator = setup
     torch.manual_seed(0)
     counts, _ = draw(target, speculator, "xpress", 1.0, None)
