@@ -202,11 +202,12 @@ def plot_batch_curve(result: dict, folder: str | Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     sizes = [int(size) for size in result["curve"]]
     fig, (speed, ratio) = plt.subplots(1, 2, figsize=(9, 3.5))
-    for name in result["runs"]:
+    for index, name in enumerate(result["runs"]):
         per_size = [result["curve"][str(size)][name] for size in sizes]
-        speed.plot(sizes, [e["tokens_per_s"] for e in per_size], marker="o", label=name)
+        style = dict(marker="o", label=name, color=f"C{index}")  # one colour per method in both panels
+        speed.plot(sizes, [e["tokens_per_s"] for e in per_size], **style)
         if name != "ar":
-            ratio.plot(sizes, [e["speedup_vs_ar"] for e in per_size], marker="o", label=name)
+            ratio.plot(sizes, [e["speedup_vs_ar"] for e in per_size], **style)
     for ax in (speed, ratio):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(size) for size in sizes])
