@@ -321,13 +321,14 @@ class StepPlan:
     (the warm-up shrinks to a tenth of a cut run if it was longer). The plan is saved with each checkpoint: a resumed
     run that a budget cut keeps its cut (a run that was not cut may be resumed with a larger max_steps), and with a
     budget times itself again, from the start of that call, and may end sooner.
-    The clock starts when the plan is made: at the start of the trainer's call, so loading counts.
+    The clock starts when the plan is made: at the start of the trainer's call, so loading counts. With several
+    processes, `agree` turns each one's cut into one they all keep (the earliest), so they stop together.
     """
 
     FILE = "step_plan.json"
 
     def __init__(self, max_steps: int, warmup_steps: int, eval_every: int, save_every: int,
-                 minutes: float | None = None, probe_steps: int = 20, reserve: float = 0.1):
+                 minutes: float | None = None, probe_steps: int = 20, reserve: float = 0.1, agree=None):
         if minutes is not None and minutes <= 0:
             raise ValueError(f"time_budget_minutes must be positive (or None for no budget); got {minutes}.")
         self.max_steps = self.last_step = max_steps
@@ -336,6 +337,7 @@ class StepPlan:
         self._started = time.perf_counter()
         self._probe: tuple[int, float] | None = None  # (step, time) the pace is timed from
         self._timed = minutes is None
+        self._agree = agree or (lambda last_step: last_step)
 
     def lr_factor(self, step: int) -> float:
         warmup = self.warmup_steps
@@ -356,7 +358,7 @@ class StepPlan:
             return
         seconds_per_step = max((now - start) / (step - first), 1e-9)
         left = (self.minutes * 60 - (now - self._started)) * (1 - self.reserve)
-        self.last_step = max(step, min(self.last_step, step + int(left / seconds_per_step)))
+        self.last_step = self._agree(max(step, min(self.last_step, step + int(left / seconds_per_step))))
         self._timed = True
 
     def evaluates(self, step: int) -> bool:
@@ -394,10 +396,14 @@ def start_run(config):
     accelerator, the seeds."""
     from accelerate import Accelerator
 
-    plan = StepPlan(config.max_steps, config.warmup_steps, config.eval_every, config.save_every,
-                    config.time_budget_minutes)
     accelerator = Accelerator(mixed_precision=config.mixed_precision,
                               gradient_accumulation_steps=config.gradient_accumulation_steps)
+
+    def earliest(last_step: int) -> int:  # every process decides at the same step, so this collective lines up
+        return int(accelerator.gather(torch.tensor([last_step], device=accelerator.device)).min())
+
+    plan = StepPlan(config.max_steps, config.warmup_steps, config.eval_every, config.save_every,
+                    config.time_budget_minutes, agree=earliest)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     return plan, accelerator
