@@ -243,6 +243,15 @@ class RowBatch:
         )
 
 
+def stop_and_pad_ids(target, tokenizer) -> tuple[set[int], int]:
+    """The target's stop tokens (its generation config's EOS ids) and the id to pad batches with: the tokenizer's pad
+    token, else the first EOS id, else 0."""
+    eos = target.generation_config.eos_token_id
+    stop_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(stop_ids), 0)
+    return set(stop_ids), pad
+
+
 def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch.LongTensor, torch.LongTensor]:
     """(input_ids, attention_mask), both (len(prompts), longest): token lists left-padded as decoder-only `generate`
     expects them."""

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .batching import left_pad, until_stop
+from .batching import left_pad, stop_and_pad_ids, until_stop
 from .bench import (
     BenchConfig,
     _environment,
@@ -65,9 +65,7 @@ def run_batch_bench(config: BenchConfig, target=None, tokenizer=None, speculator
     prompts = load_prompts(config)
     _check_batch_config(config, len(prompts))
     target, tokenizer, speculator = load_models(config, target, tokenizer, speculator)
-    stop_ids = target.generation_config.eos_token_id
-    stop_ids = set(stop_ids if isinstance(stop_ids, list) else [] if stop_ids is None else [stop_ids])
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids, default=0)
+    stop_ids, pad = stop_and_pad_ids(target, tokenizer)
     encoded = [
         (dataset, list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]))
         for dataset, messages in prompts

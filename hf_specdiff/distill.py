@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .batching import left_pad, until_stop
+from .batching import left_pad, stop_and_pad_ids, until_stop
 
 
 @dataclass
@@ -116,9 +116,7 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
         if len(ids) <= config.max_prompt_tokens:
             todo.append((prompt_id, prompt, list(ids)))
     todo.sort(key=lambda row: len(row[2]))  # similar lengths per batch: less padding
-    eos = target.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
+    eos, pad = stop_and_pad_ids(target, tokenizer)
 
     with output.open("a") as out, tqdm(total=len(todo), desc="distill", disable=not progress) as bar:
         for start in range(0, len(todo), config.batch_size):
