@@ -37,7 +37,8 @@ if [[ "$stage" == speculator ]]; then
   run hf-specdiff train --config "$here/configs/smollm2-135m-gpu.json" --output-dir "$out/train" \
       --data "$distill/gsm8k_train.jsonl" "$distill/sharegpt.jsonl" "${budget[@]}" "${quick[@]}"
   run hf-specdiff bench --speculator "$out/train/speculator" --datasets gsm8k humaneval mt_bench --limit "$limit" \
-      --max-new-tokens "$tokens" --methods ar ar_static dflash xpress markov dflash_hf prompt_lookup \
+      --max-new-tokens "$tokens" --methods ar ar_static dflash xpress markov dflash_static xpress_static dflash_hf \
+      prompt_lookup \
       --jacobi-passes 1 2 4 --dtype "$dtype" --json "$out/bench.json" --markdown "$out/bench.md" --plots "$out"
   run hf-specdiff bench --speculator "$out/train/speculator" --datasets gsm8k --limit "$curve_limit" \
       --batch-size "${curve_sizes[@]}" --max-new-tokens "$tokens" --methods ar dflash xpress --dtype "$dtype" \

@@ -7,6 +7,10 @@ that range, so an upgrade shows which of these facts to re-check:
 - `GenerateDecoderOnlyOutput` names its cache field `past_key_values` in 5.17 and `cache` in 5.24.
 - `Cache.crop(n)` with n < 0 removes |n| tokens in both; a positive n (old meaning: final length) is deprecated in
   5.17 and raises in 5.24, so we only ever pass negative counts.
+- `StaticCache(config=, max_cache_len=)` builds one `StaticLayer` per layer in both; a layer keeps its filled length in
+  a 0-d tensor `cumulative_length` (so that compiled forwards do not specialise on it) and `update` writes there.
+  5.24's `StaticLayer.crop(-n)` only lowers that tensor (the next write overwrites the stale slots); 5.17's
+  `StaticLayer` has no `crop`, so `crop_cache` lowers it itself, in both versions.
 - `DynamicCache.layers[i]` holds `keys` / `values` tensors (batch, kv_heads, slots, head_dim) in both (a layer not
   filled yet has none); batched speculation gathers slots per row there (`gather_cache_slots`).
 - The native dFlash candidate generator reads `hidden_states[i]` for each of the drafter's `target_layer_ids` in
@@ -14,7 +18,9 @@ that range, so an upgrade shows which of these facts to re-check:
 - `GenerationMixin._valid_auto_compile_criteria(model_kwargs, generation_config)` decides whether `generate`
   compiles the decoding forward (a compileable, non-dynamic cache on cuda / xpu / neuron / tpu, no
   `disable_compile`, no offload); `CompileConfig._compile_all_devices = True` lifts the device condition (both
-  5.17 and 5.24). The benchmark uses them to report and to force compilation of `ar_static`.
+  5.17 and 5.24). The benchmark uses them to report and to force compilation of `ar_static`. The options of that
+  compilation are `generation_config.compile_config`, else `PreTrainedModel._default_compile_config()` (both), which
+  the speculative loop also compiles its draft and refinement steps with.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import inspect
 
 import transformers
 from packaging.version import Version
+from transformers import StaticCache
 
 MIN_TRANSFORMERS = Version("5.17.0")
 MAX_TRANSFORMERS_EXCLUSIVE = Version("5.25.0")
@@ -60,8 +67,14 @@ def crop_cache(cache, num_tokens_to_remove: int) -> None:
     """Drop the last `num_tokens_to_remove` positions of a transformers cache (no-op for 0)."""
     if num_tokens_to_remove < 0:
         raise ValueError(f"cannot remove a negative number of tokens ({num_tokens_to_remove}).")
-    if num_tokens_to_remove:
-        cache.crop(-num_tokens_to_remove)
+    if not num_tokens_to_remove:
+        return
+    if isinstance(cache, StaticCache):
+        for layer in cache.layers:
+            if layer.is_initialized:  # the next `update` overwrites the slots past the new length
+                layer.cumulative_length.sub_(num_tokens_to_remove)
+        return
+    cache.crop(-num_tokens_to_remove)
 
 
 def gather_cache_slots(cache, index) -> None:
@@ -98,3 +111,13 @@ def compile_config_for_all_devices():
     config = CompileConfig()
     config._compile_all_devices = True
     return config
+
+
+def new_static_cache(config, max_cache_len: int) -> StaticCache:
+    """An empty static cache for a model with this config (tensors allocated at the first write)."""
+    return StaticCache(config=config, max_cache_len=max_cache_len)
+
+
+def compile_config(model, generation_config):
+    """The `CompileConfig` `generate` compiles `model`'s forward with: the generation config's, else the model's default."""
+    return generation_config.compile_config or model._default_compile_config()

@@ -2,8 +2,10 @@
 
 Methods: `ar` (plain `generate`, the reference every ratio is taken against), `ar_static` (plain `generate` with a
 static cache, compiled by transformers where it compiles on its own: cuda, xpu, neuron, tpu), `dflash`, `xpress`
-(one run per K), `markov` (our speculative loop), `dflash_hf` and `prompt_lookup` (transformers' own assisted
-decoding). One warm-up call per method (which also pays for any compilation) is excluded from every figure.
+(one run per K), `markov` (our speculative loop), `dflash_static` and `xpress_static` (our loop with static caches:
+verify forward, draft step and Jacobi refinement compiled wherever ar_static's forward is), `dflash_hf` and
+`prompt_lookup` (transformers' own assisted decoding). One warm-up call per method (which also pays for any
+compilation) is excluded from every figure.
 
 Per method: tokens/s and speedup over `ar` measured in the same run; prefill (time to the first generated token)
 and the decode rate after it; whether transformers compiled the forward; for our speculative methods tau (mean
@@ -50,7 +52,8 @@ class BenchConfig:
     data_dir: str | None = None  # folder holding the benchmark JSONL files; default: $HF_SPECDIFF_DATA or shared/data
     limit: int = 10  # prompts per dataset
     seed: int = 0  # order in which prompts are drawn
-    # of ar, ar_static, dflash, xpress, markov, dflash_hf, prompt_lookup; ar is always run (the reference)
+    # of ar, ar_static, dflash, xpress, markov, dflash_static, xpress_static, dflash_hf, prompt_lookup; ar is always
+    # run (the reference)
     methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "xpress", "markov"])
     jacobi_passes: list[int] = field(default_factory=lambda: [4])  # K values for xpress
     max_new_tokens: int = 128
@@ -59,7 +62,8 @@ class BenchConfig:
     batch_size: list[int] = field(default_factory=lambda: [1])
     # 0: greedy, losslessness checked per token; > 0: sampled, checked by a permutation test on log-probabilities
     temperature: float = 0.0
-    # ar_static's torch.compile: None lets transformers decide (it compiles on cuda/xpu/neuron/tpu, not on the CPU);
+    # torch.compile of ar_static, dflash_static and xpress_static: None lets transformers decide (it compiles on
+    # cuda/xpu/neuron/tpu, not on the CPU);
     # True compiles on any device (on 2 CPU cores SmolLM2-135M takes ~40-50 s to compile, then decodes ~15% faster);
     # False never compiles
     compile: bool | None = None
@@ -144,7 +148,8 @@ def _question(dataset: str, row: dict) -> str:
     return row["turns"][0]  # mt_bench
 
 
-METHODS = ("ar", "ar_static", "dflash", "xpress", "markov", "dflash_hf", "prompt_lookup")
+METHODS = ("ar", "ar_static", "dflash", "xpress", "markov", "dflash_static", "xpress_static", "dflash_hf",
+           "prompt_lookup")
 
 
 def _method_runs(config: BenchConfig, speculator, max_cache_len: int) -> list[tuple[str, dict]]:
@@ -160,6 +165,15 @@ def _method_runs(config: BenchConfig, speculator, max_cache_len: int) -> list[tu
                      for k in config.jacobi_passes]
         elif method in ("dflash", "markov"):
             runs.append((method, dict(assistant_model=speculator, speculation=method)))
+        elif method in ("dflash_static", "xpress_static"):  # our loop with static caches, compiled as ar_static is
+            speculation = method.removesuffix("_static")
+            static = dict(assistant_model=speculator, speculation=speculation, cache_implementation="static",
+                          max_cache_len=max_cache_len, **_compile_kwargs(config.compile))
+            if speculation == "dflash":
+                runs.append((method, static))
+            else:
+                runs += [(f"xpress_static_k{k}" if len(config.jacobi_passes) > 1 else method,
+                          dict(static, num_jacobi_passes=k)) for k in config.jacobi_passes]
         elif method == "dflash_hf":  # transformers' own dFlash candidate generator driving our drafter
             runs.append((method, dict(assistant_model=speculator, speculation_type="dflash")))
         elif method == "prompt_lookup":  # transformers' n-gram lookup in the prompt
@@ -193,10 +207,9 @@ def _forward_compiled(model, kwargs: dict, out) -> bool:
     transformers (5.17-5.24, `GenerationMixin._valid_auto_compile_criteria`) compiles the decoding forward of plain
     and assisted decoding when the cache is compileable and not a DynamicCache (a static cache), the device is cuda,
     xpu, neuron or tpu (or `compile_config._compile_all_devices` is set), `disable_compile` is not set, and no
-    quantizer or CPU/disk offload forbids it. We ask that rule with the cache the call returned. Our speculative
-    loop calls the forward itself and never compiles it."""
-    if kwargs.get("speculation") is not None:
-        return False
+    quantizer or CPU/disk offload forbids it. We ask that rule with the cache the call returned; our speculative
+    loop follows the same rule with a static cache (`dflash_static`, `xpress_static`) and never compiles with the
+    dynamic one."""
     from transformers.generation.configuration_utils import GenerationConfig
 
     from . import _compat
@@ -516,10 +529,11 @@ def markdown_table(result: dict) -> str:
     if any("compiled" in e for e in result["summary"].values()):
         compiled = [name for name, e in result["summary"].items() if e.get("compiled")]
         static = ""
-        if "ar_static" in result["summary"] and "ar_static" not in compiled:
+        eager = [name for name in result["summary"] if "_static" in name and name not in compiled]
+        if eager:
             why = ("--no-compile" if result["config"].get("compile") is False else
                    "transformers compiles on its own on cuda, xpu, neuron and tpu only; --compile forces it")
-            static = f" ar_static: static cache, forward not compiled ({why})."
+            static = f" {', '.join(eager)}: static cache, not compiled ({why})."
         lines.append(f"Forward compiled by torch.compile: {', '.join(compiled) or 'none'}.{static} Prefill = time to "
                      "the first generated token; decode tokens/s = the tokens after it over the time after it.")
     if sampled:

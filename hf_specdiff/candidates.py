@@ -9,6 +9,7 @@ q is the true draft distribution; the refiner only ever touches draft logits, ne
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from transformers.generation.logits_process import (
 from . import _compat
 from .batching import RowBatch, append_ragged, last_tokens
 from .markov import markov_decode
-from .xpress import jacobi_refine
+from .xpress import jacobi_refine, jacobi_refine_unrolled
 
 # Processors whose output at a position does not depend on the tokens before it: these run on a whole block at
 # once. Anything else (repetition penalty, min length, bad words, ...) runs position by position.
@@ -250,6 +251,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         logits_processor: LogitsProcessorList | None = None,
         num_jacobi_passes: int | None = None,
         stats: SpeculationStats | None = None,
+        static_cache_length: int | None = None,
+        compile_config=None,
     ):
         self.drafter = speculator.drafter
         self.refiner = speculator.refiner
@@ -262,9 +265,23 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.block_size = self.drafter.config.block_size
         self.mask_token_id = self.drafter.config.mask_token_id
         self.picker = DraftPicker(logits_processor, generation_config.do_sample)
-        self.cache = DynamicCache()  # the drafter's context K/V; never holds block K/V between calls
         self.stats = stats if stats is not None else SpeculationStats(method)
         self.device = self.drafter.device
+        # The drafter's context K/V; never holds block K/V between calls. Static mode (the target decodes with a
+        # static cache, batch 1): a preallocated cache, and every call after the first writes exactly B context
+        # slots (the new ones, then padding that the mask hides and the crop drops), so that the draft step always
+        # sees the same shapes and can be compiled once.
+        self.static = static_cache_length is not None
+        if self.static:
+            self.cache_slots = static_cache_length + 2 * self.block_size  # the target's, plus context padding, a block
+            self.cache = _compat.new_static_cache(self.drafter.config, self.cache_slots)
+        else:
+            self.cache = DynamicCache()
+        self.cached_context = 0  # context slots in the static drafter cache (kept on the host: no sync to read it)
+        # With a compile config (the target's decoding forward is compiled too), the draft step after the first and
+        # the Jacobi refinement without logits processors run through torch.compile.
+        self.draft_step = compiled(draft_block, compile_config) if compile_config is not None else draft_block
+        self.refine_step = compiled(jacobi_refine_unrolled, compile_config) if compile_config is not None else None
 
     @torch.no_grad()
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
@@ -294,28 +311,27 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         synchronize(self.device)
         start = time.perf_counter()
         context_length = width - 1 if context_mask is None else context_mask.shape[1]  # target cache slots
-        num_new = context_length - self.cache.get_seq_length()  # slots whose features are not cached yet
+        # slots whose features are not cached yet (a batch's compaction may have shrunk the dynamic cache)
+        num_new = context_length - (self.cached_context if self.static else self.cache.get_seq_length())
         features = self.drafter.context_features(model_outputs.hidden_states, num_new).to(self.device)
         block_ids = torch.full((batch, self.block_size), self.mask_token_id, device=input_ids.device)
         block_ids[:, 0] = last_tokens(input_ids, sequence_lengths, 1)[:, 0]
-        attention_mask = None
-        if context_mask is None:
-            positions = torch.arange(context_length - num_new, context_length + self.block_size, device=self.device)
-            positions = positions.expand(batch, -1)
-        else:  # a slot's position is the number of the row's tokens before it; the anchor follows the last one
-            seen = context_mask.to(self.device).cumsum(dim=1)  # (b, S)
-            block = torch.arange(self.block_size, device=self.device)
-            positions = torch.cat([(seen[:, context_length - num_new :] - 1).clamp(min=0), seen[:, -1:] + block], 1)
-            attention_mask = torch.cat([context_mask, context_mask.new_ones(batch, self.block_size)], 1).to(self.device)
-        hidden = self.drafter(
-            noise_embeds=self.embed_tokens(block_ids).to(self.device),
-            context_hidden_states=features,
-            position_ids=positions,
-            attention_mask=attention_mask,
-            cache=self.cache,
-        ).last_hidden_state
-        _compat.crop_cache(self.cache, self.block_size)  # keep context K/V only
-        drafter_logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype)).float()  # (b, B-1, V)
+        if self.static:
+            hidden, drafter_logits = self._draft_static(block_ids, features, context_length, num_new)
+        else:
+            attention_mask = None
+            if context_mask is None:
+                positions = torch.arange(context_length - num_new, context_length + self.block_size, device=self.device)
+                positions = positions.expand(batch, -1)
+            else:  # a slot's position is the number of the row's tokens before it; the anchor follows the last one
+                seen = context_mask.to(self.device).cumsum(dim=1)  # (b, S)
+                block = torch.arange(self.block_size, device=self.device)
+                positions = torch.cat([(seen[:, context_length - num_new :] - 1).clamp(min=0), seen[:, -1:] + block], 1)
+                attention_mask = torch.cat([context_mask, context_mask.new_ones(batch, self.block_size)], 1)
+                attention_mask = attention_mask.to(self.device)
+            hidden, drafter_logits = draft_block(self.drafter, self.embed_tokens, self.lm_head, block_ids, features,
+                                                 positions, attention_mask, self.cache)
+            _compat.crop_cache(self.cache, self.block_size)  # keep context K/V only
         synchronize(self.device)
         self.stats.draft_seconds += time.perf_counter() - start
 
@@ -323,11 +339,17 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         start = time.perf_counter()
         self.picker.start_block(input_ids, self.block_size - 1, drafter_logits.shape[-1], rows)
         if self.method == "xpress":
-            anchors = last_tokens(input_ids, sequence_lengths, 2)  # (b, 2): the token before the anchor, the anchor
-            tokens, q, passes = jacobi_refine(
-                self.refiner, drafter_logits, hidden, anchors, self.picker, self.num_jacobi_passes
-            )
-            self.stats.refine_passes.append(passes)
+            # (b, 2): the token before the anchor, the anchor (contiguous: a compiled step guards on strides)
+            anchors = last_tokens(input_ids, sequence_lengths, 2).contiguous()
+            if self.refine_step is not None and not self.picker.processors:  # compiled: a plain argmax picker
+                tokens, q, passes = self.refine_step(
+                    self.refiner, drafter_logits, hidden, anchors, self.num_jacobi_passes, self.picker.gumbel
+                )
+            else:
+                tokens, q, passes = jacobi_refine(
+                    self.refiner, drafter_logits, hidden, anchors, self.picker, self.num_jacobi_passes
+                )
+            self.stats.refine_passes.append(int(passes))
         elif self.method == "markov":
             anchor = last_tokens(input_ids, sequence_lengths, 1)[:, 0]
             tokens, q = markov_decode(self.markov_head, drafter_logits, anchor, self.picker.pick_slot)
@@ -343,3 +365,49 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
     def select_rows(self, index: torch.LongTensor) -> None:
         """Keep only these rows of the batch (finished rows leave it)."""
         self.cache.batch_select_indices(index.to(self.device))
+
+    def _draft_static(self, block_ids, features, context_length: int, num_new: int):
+        """The draft step with a static drafter cache (batch 1). The first call writes the whole prompt's context;
+        later calls write B context slots, the `num_new` real ones first: the mask hides the padding, and the crop
+        afterwards drops it with the block's K/V, so the next call overwrites both."""
+        width = num_new if self.cached_context == 0 else self.block_size  # context slots written by this call
+        features = torch.nn.functional.pad(features, (0, 0, 0, width - num_new))
+        start = self.cached_context
+        positions = torch.cat([start + torch.arange(width, device=self.device),
+                               context_length + torch.arange(self.block_size, device=self.device)])[None]
+        slots = torch.arange(self.cache_slots, device=self.device)
+        block_start = start + width
+        visible = (slots < context_length) | ((slots >= block_start) & (slots < block_start + self.block_size))
+        # The first call's context width is the prompt's, a shape seen once: it runs eagerly, like the target's prefill.
+        step = draft_block if self.cached_context == 0 else self.draft_step
+        out = step(self.drafter, self.embed_tokens, self.lm_head, block_ids, features,
+                   positions.expand(block_ids.shape[0], -1), visible[None, None, None, :], self.cache)
+        _compat.crop_cache(self.cache, width - num_new + self.block_size)  # keep the real context K/V only
+        self.cached_context = context_length
+        return out
+
+
+def draft_block(drafter, embed_tokens, lm_head, block_ids, features, positions, attention_mask, cache):
+    """One drafter pass: its final hidden states (b, B, H) and its logits for the draft slots 1..B-1 (b, B-1, V),
+    read out with the target's lm_head. The block's K/V are left in `cache` for the caller to crop."""
+    hidden = drafter(
+        noise_embeds=embed_tokens(block_ids).to(drafter.device),
+        context_hidden_states=features,
+        position_ids=positions,
+        attention_mask=attention_mask,
+        cache=cache,
+    ).last_hidden_state
+    return hidden, lm_head(hidden[:, 1:].to(lm_head.weight.dtype)).float()
+
+
+@functools.cache
+def _compiled(function, options: tuple):
+    return torch.compile(function, **{k: dict(v) if k == "options" and v is not None else v for k, v in options})
+
+
+def compiled(function, compile_config):
+    """`torch.compile(function)` with the options of transformers' `CompileConfig` (fullgraph, dynamic, backend, mode,
+    options), made once per function and config so that later `generate` calls reuse its compiled graphs."""
+    options = compile_config.to_dict()
+    options = {k: tuple(sorted(v.items())) if isinstance(v, dict) else v for k, v in options.items()}
+    return _compiled(function, tuple(sorted(options.items())))

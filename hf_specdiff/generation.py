@@ -22,7 +22,7 @@ import types
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
@@ -167,11 +167,25 @@ def speculative_decoding(
     keep_scores = want_dict and generation_config.output_scores
     keep_logits = want_dict and generation_config.output_logits
     stats = SpeculationStats(method, batch_size=input_ids.shape[0])
+    block_size = speculator.drafter.config.block_size
+    # cache_implementation="static" (batch 1): a static target cache with room for a whole block past max_length, the
+    # verify forward always B tokens wide, and, where transformers would compile plain decoding's forward (by its own
+    # rule: cuda / xpu / neuron / tpu, or `compile_config._compile_all_devices`; never with `disable_compile`), the
+    # verify forward, the draft step and the Jacobi refinement all compiled.
+    static = generation_config.cache_implementation == "static"
+    if static:
+        room = max(generation_config.max_length, generation_config.max_cache_len or 0) + block_size
+        cache = _compat.new_static_cache(model.config.get_text_config(decoder=True), room)
+    else:
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        cache = DynamicCache() if cache is None else cache
+    compiled = static and _compat.forward_compiled(model, generation_config, cache)
+    verify_forward = model.get_compiled_call(generation_config.compile_config) if compiled else model
     drafter = BlockDiffusionCandidateGenerator(
-        model, speculator, method, generation_config, logits_processor, num_jacobi_passes, stats
+        model, speculator, method, generation_config, logits_processor, num_jacobi_passes, stats,
+        static_cache_length=room if static else None,
+        compile_config=_compat.compile_config(model, generation_config) if compiled else None,
     )
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    cache = DynamicCache() if cache is None else cache
     has_eos_criterion = any(hasattr(c, "eos_token_id") for c in stopping_criteria)  # as plain `generate` decides
     rows = RowBatch(input_ids, model_kwargs.get("attention_mask"), generation_config, pad_after_stop=has_eos_criterion)
     if streamer is not None:
@@ -193,13 +207,20 @@ def speculative_decoding(
         synchronize(input_ids.device)
         start = time.perf_counter()
         fed, positions, attention_mask = rows.verify_inputs(candidates, first)
-        logits_kwargs = {"logits_to_keep": num_drafts + 1} if "logits_to_keep" in model_kwargs else {}
-        outputs = model(
+        padding = block_size - fed.shape[1] if static and not first else 0  # static: every verify is B tokens wide
+        if padding:  # the padded slots' logits are ignored and their K/V cropped below, like rejected drafts'
+            fed = torch.cat([fed, fed[:, -1:].expand(-1, padding)], dim=1)
+            positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, padding + 1, device=fed.device)], 1)
+        logits_kwargs = {"logits_to_keep": num_drafts + 1} if "logits_to_keep" in model_kwargs and not static else {}
+        outputs = (model if first else verify_forward)(  # the prefill's shape is seen once: never compiled
             input_ids=fed, position_ids=positions, attention_mask=attention_mask, use_cache=True,
             output_hidden_states=True, **logits_kwargs, **_compat.cache_kwargs(model, cache),
         )
         stats.target_forwards += 1
-        target_logits = outputs.logits[:, -num_drafts - 1 :].float()  # (b, n+1, V)
+        end = outputs.logits.shape[1] - padding
+        target_logits = outputs.logits[:, end - num_drafts - 1 : end].float()  # (b, n+1, V)
+        if compiled:  # a compiled forward may reuse its output buffers at the next call (CUDA graphs)
+            target_logits = target_logits.clone()
         target_scores = process_logits(logits_processor, candidate_ids, target_logits, rows.lengths, rows)
 
         # 4. Accept, per row: the longest agreeing prefix plus one token from the target (greedy or sampling).
@@ -235,6 +256,8 @@ def speculative_decoding(
 
     if streamer is not None:
         streamer.end()
+    if input_ids.shape[0] == 1:  # the cache handed back holds every token but the last, as plain `generate`'s does
+        _compat.crop_cache(cache, rows.slots + fed.shape[1] - (len(rows.finished[0]) - 1))
     sequences = rows.sequences()
     if not want_dict:
         return sequences
@@ -270,10 +293,15 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
             raise ValueError(f"speculation=... replaces transformers' assisted decoding; remove `{name}`.")
     if generation_config.use_cache is False:
         raise ValueError("speculation=... needs the KV cache; remove use_cache=False.")
-    if generation_config.cache_implementation not in (None, "dynamic"):
+    if generation_config.cache_implementation not in (None, "dynamic", "static"):
         raise ValueError(
             f"speculation=... needs a cache that can be rolled back; cache_implementation="
-            f"{generation_config.cache_implementation!r} cannot. Use the default dynamic cache."
+            f"{generation_config.cache_implementation!r} cannot. Use the default dynamic cache, or 'static' (batch 1)."
+        )
+    if generation_config.cache_implementation == "static" and batch_size > 1:
+        raise ValueError(
+            f"speculation=... with cache_implementation='static' decodes one sequence; got a batch of {batch_size}. "
+            "Use the default dynamic cache for batches, or generate row by row."
         )
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError(
@@ -293,7 +321,12 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
         if not bool(mask.any(dim=1).all()):
             raise ValueError("speculation=... got a prompt that is all padding; give every row at least one token.")
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if cache is not None and cache.get_seq_length() > 0:
+    if isinstance(cache, StaticCache) and generation_config.cache_implementation != "static":
+        raise ValueError(
+            "speculation=... sizes its own static cache (a block past max_length): pass cache_implementation='static' "
+            "instead of a StaticCache object."
+        )
+    if cache is not None and not isinstance(cache, StaticCache) and cache.get_seq_length() > 0:
         raise ValueError("speculation=... starts from an empty cache; do not pass a pre-filled cache.")
     if batch_size > 1:
         if streamer is not None:

@@ -151,3 +151,36 @@ def jacobi_refine(
         if converged:  # fixed point: another pass would change nothing
             break
     return tokens, q, passes
+
+
+@torch.no_grad()
+def jacobi_refine_unrolled(
+    refiner: XPressRefiner,
+    drafter_logits: torch.Tensor,
+    drafter_hidden: torch.Tensor,
+    anchor_tokens: torch.LongTensor,
+    num_passes: int,
+    gumbel: torch.Tensor | None = None,
+) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor]:
+    """`jacobi_refine` with a plain argmax picker (no logits processors; `gumbel` (b, B-1, V): the block's noise when
+    sampling), written for torch.compile: no host sync and no data-dependent branch. It always runs K passes: a fixed
+    point stays fixed (the same block gives the same logits), so the extra passes change nothing and the tokens and
+    q are `jacobi_refine`'s. The number of passes `jacobi_refine` would have run is counted on the device.
+
+    Returns tokens (b, B-1), q (b, B-1, V) float32, passes (0-d tensor)."""
+    def pick(logits):
+        q = logits.float()  # what `DraftPicker` returns with no processors
+        return (q if gumbel is None else q + gumbel).argmax(dim=-1), q
+
+    tokens, q = pick(drafter_logits)
+    context = refiner.block_context(drafter_hidden)
+    passes = torch.full((), num_passes, device=tokens.device)
+    converged = torch.zeros((), dtype=torch.bool, device=tokens.device)
+    for number in range(1, num_passes + 1):
+        prev = torch.cat([anchor_tokens, tokens[:, :-1]], dim=1)
+        new_tokens, q = pick(drafter_logits + refiner(context, prev).to(drafter_logits.dtype))
+        same = (new_tokens == tokens).all()
+        passes = torch.where(same & ~converged, number, passes)  # the pass at which `jacobi_refine` stops
+        converged = converged | same
+        tokens = new_tokens
+    return tokens, q, passes

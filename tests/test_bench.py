@@ -19,7 +19,7 @@ from hf_specdiff.bench import (
     write_outputs,
 )
 
-SPECULATIVE = ("dflash", "xpress_k1", "xpress_k4", "markov")
+SPECULATIVE = ("dflash", "xpress_k1", "xpress_k4", "markov", "dflash_static", "xpress_static_k1", "xpress_static_k4")
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +40,14 @@ def _two_prompts(tmp_path) -> Path:
 def test_bench_reports_every_method_side_by_side(tmp_path, smollm):
     target, tokenizer, speculator = smollm
     config = BenchConfig(prompts=str(_two_prompts(tmp_path)), limit=0, max_new_tokens=12, jacobi_passes=[1, 4],
-                         device="cpu", methods=["ar", "ar_static", "dflash", "xpress", "markov", "dflash_hf",
-                                                "prompt_lookup"],
+                         device="cpu", methods=["ar", "ar_static", "dflash", "xpress", "markov", "dflash_static",
+                                                "xpress_static", "dflash_hf", "prompt_lookup"],
                          json=str(tmp_path / "out.json"), markdown=str(tmp_path / "out.md"),
                          plots=str(tmp_path / "plots"))
     result = run_bench(config, target=target, tokenizer=tokenizer, speculator=speculator, progress=False)
     write_outputs(result, config)
-    assert result["runs"] == ["ar", "ar_static", "dflash", "xpress_k1", "xpress_k4", "markov", "dflash_hf",
-                              "prompt_lookup"]
+    assert result["runs"] == ["ar", "ar_static", "dflash", "xpress_k1", "xpress_k4", "markov", "dflash_static",
+                              "xpress_static_k1", "xpress_static_k4", "dflash_hf", "prompt_lookup"]
     summary = json.loads((tmp_path / "out.json").read_text())["summary"]
     for name, entry in summary.items():  # prefill and decode rate for every method, ar included
         assert entry["prefill_ms"] > 0 and entry["decode_tokens_per_s"] > 0, name
@@ -68,7 +68,8 @@ def test_bench_reports_every_method_side_by_side(tmp_path, smollm):
         assert summary[name]["unexplained_mismatches"] == 0 and summary[name]["tokens_per_s"] > 0
     table = (tmp_path / "out.md").read_text()
     assert "| custom | xpress_k4 |" in table and "| custom | ar_static | 1.00 |" in table
-    assert "prefill ms | decode tokens/s" in table and "ar_static: static cache, forward not compiled" in table
+    assert "prefill ms | decode tokens/s" in table
+    assert "ar_static, dflash_static, xpress_static_k1, xpress_static_k4: static cache, not compiled" in table
     assert result["environment"]["device"] == "cpu"
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "acceptance_by_position.png", "accepted_lengths.png", "speedup.png"]
@@ -77,7 +78,8 @@ def test_bench_reports_every_method_side_by_side(tmp_path, smollm):
 def test_sampled_bench_checks_losslessness_by_log_probability(tmp_path, smollm):
     target, tokenizer, speculator = smollm
     config = BenchConfig(prompts=str(_two_prompts(tmp_path)), limit=0, max_new_tokens=12, jacobi_passes=[1, 4],
-                         device="cpu", temperature=0.8, methods=["ar", "dflash", "xpress", "markov"])
+                         device="cpu", temperature=0.8,
+                         methods=["ar", "dflash", "xpress", "markov", "dflash_static", "xpress_static"])
     result = run_bench(config, target=target, tokenizer=tokenizer, speculator=speculator, progress=False)
     summary = result["summary"]
     for name in SPECULATIVE:

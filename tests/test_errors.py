@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import make_speculator, make_target
-from transformers import GenerationMixin, LlamaForCausalLM
+from transformers import GenerationMixin, LlamaForCausalLM, StaticCache
 
 import hf_specdiff
 from hf_specdiff import AutoSpeculator
@@ -36,7 +36,7 @@ def generate(target, speculator, **kwargs):
         (dict(num_beams=2), "beam search"),
         (dict(num_return_sequences=2, do_sample=True), "num_return_sequences=1"),
         (dict(use_cache=False), "needs the KV cache"),
-        (dict(cache_implementation="static"), "rolled back"),
+        (dict(cache_implementation="offloaded"), "rolled back"),
         (dict(output_attentions=True, return_dict_in_generate=True), "attentions or hidden states"),
         (dict(output_hidden_states=True, return_dict_in_generate=True), "attentions or hidden states"),
         (dict(stop_strings=["x"]), "pass tokenizer"),
@@ -50,6 +50,16 @@ def generate(target, speculator, **kwargs):
 def test_unsupported_generate_arguments(target, speculator, kwargs, message):
     with pytest.raises(ValueError, match=message):
         generate(target, speculator, **kwargs)
+
+
+def test_static_cache_is_for_one_sequence(target, speculator):
+    batch = torch.cat([PROMPT, PROMPT])
+    with pytest.raises(ValueError, match="decodes one sequence"):
+        target.generate(batch, assistant_model=speculator, speculation="xpress", cache_implementation="static",
+                        max_new_tokens=5)
+    cache = StaticCache(config=target.config, max_cache_len=64)
+    with pytest.raises(ValueError, match="cache_implementation='static' instead"):
+        generate(target, speculator, past_key_values=cache)
 
 
 def test_right_padded_prompt(target, speculator):

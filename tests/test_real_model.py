@@ -57,14 +57,15 @@ def assert_greedy_equivalent(plain, spec, prompt_length, tie_tolerance=1e-4):
     assert gap < tie_tolerance, f"divergence at new token {i} not explained by a near-tie (gap {gap:.3g})"
 
 
-@pytest.mark.parametrize("method", ["xpress", "dflash", "markov"])
-def test_greedy_equivalence_on_real_prompts(smollm, method):
+@pytest.mark.parametrize("method,cache", [("xpress", None), ("dflash", None), ("markov", None), ("xpress", "static")])
+def test_greedy_equivalence_on_real_prompts(smollm, method, cache):
     target, tokenizer, speculator = smollm
     for question in questions():
         inputs = chat(tokenizer, question)
         kwargs = dict(do_sample=False, max_new_tokens=40, return_dict_in_generate=True, output_scores=True)
         plain = target.generate(**inputs, **kwargs)
-        spec = target.generate(**inputs, assistant_model=speculator, speculation=method, **kwargs)
+        spec = target.generate(**inputs, assistant_model=speculator, speculation=method, cache_implementation=cache,
+                               **kwargs)
         assert_greedy_equivalent(plain, spec, inputs["input_ids"].shape[1])
         assert spec.speculation.target_forwards >= 1
 

@@ -19,13 +19,13 @@ VOCAB, NEW_TOKENS, DRAWS = 6, 4, 3000
 PROMPT = torch.tensor([[1, 2, 3]])
 
 
-def draw(target, speculator, method, temperature, top_k, draws=DRAWS):
+def draw(target, speculator, method, temperature, top_k, draws=DRAWS, **kwargs):
     counts: dict[tuple, int] = {}
     accepted = drafted = 0
     for _ in range(draws):
         out = target.generate(
             PROMPT, do_sample=True, temperature=temperature, top_k=top_k, max_new_tokens=NEW_TOKENS,
-            assistant_model=speculator, speculation=method, return_dict_in_generate=True,
+            assistant_model=speculator, speculation=method, return_dict_in_generate=True, **kwargs,
         )
         outcome = tuple(out.sequences[0, PROMPT.shape[1]:].tolist())
         counts[outcome] = counts.get(outcome, 0) + 1
@@ -41,12 +41,14 @@ def setup():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "method,temperature,top_k", [("xpress", 1.0, None), ("markov", 1.0, None), ("dflash", 1.0, None), ("xpress", 0.7, 4)]
+    "method,temperature,top_k,cache",
+    [("xpress", 1.0, None, None), ("markov", 1.0, None, None), ("dflash", 1.0, None, None), ("xpress", 0.7, 4, None),
+     ("xpress", 1.0, None, "static")],  # static: padded verify forwards, static target and drafter caches
 )
-def test_speculative_sampling_matches_target_distribution(setup, method, temperature, top_k):
+def test_speculative_sampling_matches_target_distribution(setup, method, temperature, top_k, cache):
     target, speculator = setup
     torch.manual_seed(0)
-    counts, acceptance = draw(target, speculator, method, temperature, top_k)
+    counts, acceptance = draw(target, speculator, method, temperature, top_k, cache_implementation=cache)
     if method != "dflash":
         assert 0.2 < acceptance < 0.95, f"the test should exercise both acceptance and rejection, got {acceptance:.2f}"
     p_value = chi_square_p_value(counts, exact_distribution(target, PROMPT, NEW_TOKENS, temperature, top_k), DRAWS)

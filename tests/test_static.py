@@ -1,0 +1,111 @@
+"""`cache_implementation="static"`: a static target cache, fixed-width verify forwards, a static drafter cache, and
+(where transformers compiles plain decoding) the verify forward, draft step and Jacobi refinement compiled.
+
+The invariants: the same tokens as plain greedy `generate` and as the dynamic-cache loop (same accepted lengths);
+the unrolled, sync-free refinement that gets compiled equals `jacobi_refine`; and a compiled run compiles once,
+whatever the prompt length. The sampled static path is in tests/test_sampling.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, make_speculator, make_successor_target, make_target
+
+from transformers import StaticCache
+
+import hf_specdiff
+from hf_specdiff import _compat
+from hf_specdiff.candidates import DraftPicker
+from hf_specdiff.xpress import jacobi_refine, jacobi_refine_unrolled
+
+
+def prompts(count, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    for i in range(count):
+        length = int(torch.randint(1, 30, (1,), generator=generator))
+        yield i, torch.randint(1, VOCAB, (1, length), generator=generator)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_unrolled_refinement_equals_jacobi_refine(do_sample):
+    """Same tokens, same q, same pass count, including blocks that reach their fixed point before K passes."""
+    target = make_successor_target()
+    refiner = make_speculator(target, oracle=True).refiner
+    block = refiner.config.block_size
+    generator = torch.Generator().manual_seed(0)
+    early = 0
+    for trial in range(20):
+        num_passes = [1, 3, 2 * block][trial % 3]
+        logits = torch.randn(2, block - 1, VOCAB, generator=generator)
+        hidden = torch.randn(2, block, refiner.config.hidden_size, generator=generator).to(refiner.dtype)
+        anchors = torch.randint(0, VOCAB, (2, 2), generator=generator)
+        picker = DraftPicker(None, do_sample)
+        picker.start_block(anchors, block - 1, VOCAB)
+        tokens, q, passes = jacobi_refine(refiner, logits, hidden, anchors, picker, num_passes)
+        unrolled = jacobi_refine_unrolled(refiner, logits, hidden, anchors, num_passes, picker.gumbel)
+        assert torch.equal(unrolled[0], tokens)
+        assert torch.equal(unrolled[1], q)
+        assert int(unrolled[2]) == passes
+        early += passes < num_passes
+    assert early, "some blocks should converge before K passes"
+
+
+def run(target, speculator, method, prompt, **kwargs):
+    return target.generate(prompt, do_sample=False, assistant_model=speculator, speculation=method,
+                           return_dict_in_generate=True, **kwargs)
+
+
+@pytest.mark.parametrize("method", ["xpress", "dflash", "markov"])
+def test_static_cache_greedy_equals_plain_and_dynamic(method):
+    """Long accepted runs (oracle add-ons on a successor target) and budgets that end inside a block, so that the
+    last verify forwards are padded to the block width."""
+    target = hf_specdiff.enable(make_successor_target())
+    speculator = make_speculator(target, oracle=True)
+    for i, prompt in prompts(20):
+        budget = dict(max_new_tokens=5 + 7 * (i % 6))
+        plain = target.generate(prompt, do_sample=False, **budget)
+        dynamic = run(target, speculator, method, prompt, **budget)
+        static = run(target, speculator, method, prompt, cache_implementation="static", **budget)
+        assert torch.equal(static.sequences, plain)
+        assert static.speculation.accepted_lengths == dynamic.speculation.accepted_lengths
+        assert static.speculation.refine_passes == dynamic.speculation.refine_passes
+        # both caches are handed back as plain generate's: every token but the last
+        field = _compat.generate_output_cache_field()
+        assert isinstance(getattr(static, field), StaticCache)
+        assert int(getattr(static, field).get_seq_length()) == plain.shape[1] - 1
+        assert getattr(dynamic, field).get_seq_length() == plain.shape[1] - 1
+
+
+@pytest.mark.slow
+def test_compiled_static_decoding_is_lossless_and_compiles_once():
+    """torch.compile on the CPU (as `compile_config._compile_all_devices` allows): the compiled verify forward, draft
+    step and refinement give plain greedy's tokens, and a second prompt of another length recompiles nothing."""
+    target = hf_specdiff.enable(make_successor_target(dtype=torch.float32))
+    speculator = make_speculator(target, oracle=True).to(dtype=torch.float32)
+    compile_kwargs = dict(cache_implementation="static", max_cache_len=96,
+                          compile_config=_compat.compile_config_for_all_devices())
+    torch._dynamo.reset()
+    frames_before = torch._dynamo.utils.counters["frames"]["ok"]
+    for i, (_, prompt) in enumerate(prompts(3, seed=2)):  # prompts of 25, 2 and 25 tokens
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=40)
+        eager = run(target, speculator, "xpress", prompt, max_new_tokens=40)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            compiled = run(target, speculator, "xpress", prompt, max_new_tokens=40, **compile_kwargs)
+        assert torch.equal(compiled.sequences, plain)
+        assert compiled.speculation.accepted_lengths == eager.speculation.accepted_lengths
+        assert compiled.speculation.tau > 3.0, "the oracle's blocks should be accepted"
+    assert torch._dynamo.utils.counters["frames"]["ok"] > frames_before, "nothing was compiled"
+
+
+def test_static_cache_without_compilation_on_the_cpu():
+    """transformers compiles plain decoding on cuda / xpu / neuron / tpu only: on the CPU the static loop runs eagerly
+    unless `compile_config._compile_all_devices` is set, and `disable_compile` always keeps it eager."""
+    target = hf_specdiff.enable(make_target())
+    speculator = make_speculator(target)
+    prompt = torch.tensor([[5, 7, 9]])
+    torch._dynamo.reset()
+    frames_before = torch._dynamo.utils.counters["frames"]["ok"]
+    for extra in ({}, dict(compile_config=_compat.compile_config_for_all_devices(), disable_compile=True)):
+        out = run(target, speculator, "xpress", prompt, max_new_tokens=8, cache_implementation="static", **extra)
+        assert torch.equal(out.sequences, target.generate(prompt, do_sample=False, max_new_tokens=8))
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames_before
