@@ -339,8 +339,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         start = time.perf_counter()
         self.picker.start_block(input_ids, self.block_size - 1, drafter_logits.shape[-1], rows)
         if self.method == "xpress":
-            # (b, 2): the token before the anchor, the anchor (contiguous: a compiled step guards on strides)
-            anchors = last_tokens(input_ids, sequence_lengths, 2).contiguous()
+            # (b, 2): the token before the anchor, the anchor; a fresh copy, as a compiled step guards on strides
+            anchors = last_tokens(input_ids, sequence_lengths, 2).clone(memory_format=torch.contiguous_format)
             if self.refine_step is not None and not self.picker.processors:  # compiled: a plain argmax picker
                 tokens, q, passes = self.refine_step(
                     self.refiner, drafter_logits, hidden, anchors, self.num_jacobi_passes, self.picker.gumbel
