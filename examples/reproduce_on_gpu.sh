@@ -5,6 +5,9 @@
 #                                                  distill corpus, export it, bench it (batch 1 and the batch curve)
 #   examples/reproduce_on_gpu.sh diffusion OUT    train the diffusion LM adapter, calibrate its Spiffy graph on
 #                                                  25 MATH-500 + 25 MBPP prompts, bench it against its AR base
+#   examples/reproduce_on_gpu.sh speed OUT        no training: the shipped speculator's speed at batch 1 on GSM8K,
+#                                                  eager and compiled (ar_static, dflash_static, xpress_static), and
+#                                                  the loop's dispatch overhead per phase (examples/loop_overhead.py)
 #
 # Environment (all optional):
 #   HF_SPECDIFF_DATA   benchmark sets and distill/ (default: ../shared/data)
@@ -15,8 +18,8 @@
 #
 # Everything lands in OUT: the artifact, train logs, bench JSON / Markdown / plots, and the commands that made them.
 set -euo pipefail
-stage="${1:?usage: $0 speculator|diffusion OUT}"
-out="${2:?usage: $0 speculator|diffusion OUT}"
+stage="${1:?usage: $0 speculator|diffusion|speed OUT}"
+out="${2:?usage: $0 speculator|diffusion|speed OUT}"
 here="$(cd "$(dirname "$0")" && pwd)"
 data="${HF_SPECDIFF_DATA:-$here/../../shared/data}"
 distill="$data/distill/smollm2-135m-instruct"
@@ -55,8 +58,13 @@ elif [[ "$stage" == diffusion ]]; then
       --limit "$limit" --max-new-tokens "$tokens" --block-length "$block" --cache dual --dtype "$dtype" \
       --methods steps threshold spiffy spiffy_threshold ar_base \
       --json "$out/bench.json" --markdown "$out/bench.md" --plots "$out"
+elif [[ "$stage" == speed ]]; then
+  run hf-specdiff bench --datasets gsm8k --limit "$limit" --max-new-tokens "$tokens" --jacobi-passes 4 \
+      --methods ar ar_static dflash xpress dflash_static xpress_static prompt_lookup dflash_hf --dtype "$dtype" \
+      --json "$out/bench.json" --markdown "$out/bench.md" --plots "$out"
+  run python "$here/loop_overhead.py" --new-tokens "$tokens" | tee "$out/loop_overhead.txt"
 else
-  echo "unknown stage $stage: speculator or diffusion" >&2
+  echo "unknown stage $stage: speculator, diffusion or speed" >&2
   exit 2
 fi
 echo "done: $out"

@@ -56,6 +56,7 @@ class BenchConfig:
     # run (the reference)
     methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "xpress", "markov"])
     jacobi_passes: list[int] = field(default_factory=lambda: [4])  # K values for xpress
+    num_draft_tokens: int | None = None  # drafts offered per block by dflash / xpress / markov; None: all B-1
     max_new_tokens: int = 128
     # batch sizes: [1] measures prompt by prompt (prefill split out, every method); several (e.g. 1 4 16 32 64) measure
     # the batch curve of ar, ar_static, dflash, xpress and markov on left-padded batches (see bench_batched)
@@ -158,16 +159,19 @@ def _method_runs(config: BenchConfig, speculator, max_cache_len: int) -> list[tu
     `max_cache_len` sizes ar_static's cache for the longest prompt, so that every call has the same cache shape and a
     compiled forward is compiled once, in the warm-up."""
     runs = []
+    ours = dict(assistant_model=speculator)  # what every run of our speculative loop shares
+    if config.num_draft_tokens is not None:
+        ours["num_draft_tokens"] = config.num_draft_tokens
     for method in config.methods:
         if method == "xpress":
             runs += [(f"xpress_k{k}" if len(config.jacobi_passes) > 1 else "xpress",
-                      dict(assistant_model=speculator, speculation="xpress", num_jacobi_passes=k))
+                      dict(ours, speculation="xpress", num_jacobi_passes=k))
                      for k in config.jacobi_passes]
         elif method in ("dflash", "markov"):
-            runs.append((method, dict(assistant_model=speculator, speculation=method)))
+            runs.append((method, dict(ours, speculation=method)))
         elif method in ("dflash_static", "xpress_static"):  # our loop with static caches, compiled as ar_static is
             speculation = method.removesuffix("_static")
-            static = dict(assistant_model=speculator, speculation=speculation, cache_implementation="static",
+            static = dict(ours, speculation=speculation, cache_implementation="static",
                           max_cache_len=max_cache_len, **_compile_kwargs(config.compile))
             if speculation == "dflash":
                 runs.append((method, static))
@@ -495,6 +499,11 @@ def _prompt_source(result: dict) -> str:
     return f"datasets {config['datasets']}, {config['limit']} prompts each"
 
 
+def _drafts_per_block(result: dict) -> str:
+    drafts = result["config"].get("num_draft_tokens")
+    return "" if drafts is None else f", {drafts} drafts per block (--num-draft-tokens)"
+
+
 def markdown_table(result: dict) -> str:
     """The summary as a Markdown table with a footer (device, versions, compilation, how losslessness was checked).
     Renders results of older bench versions too (missing figures show as -)."""
@@ -525,7 +534,7 @@ def markdown_table(result: dict) -> str:
     lines.append("")
     lines.append(f"{env['device_name']} ({env['device']}), {env['dtype']}, torch {env['torch']}, "
                  f"transformers {env['transformers']}; {_prompt_source(result)}, "
-                 f"max_new_tokens {result['config']['max_new_tokens']}.")
+                 f"max_new_tokens {result['config']['max_new_tokens']}{_drafts_per_block(result)}.")
     if any("compiled" in e for e in result["summary"].values()):
         compiled = [name for name, e in result["summary"].items() if e.get("compiled")]
         static = ""

@@ -28,6 +28,7 @@ import torch
 from .batching import left_pad, stop_and_pad_ids, until_stop
 from .bench import (
     BenchConfig,
+    _drafts_per_block,
     _environment,
     _lossless_check,
     _method_runs,
@@ -183,7 +184,7 @@ def batch_markdown_table(result: dict) -> str:
     source = config["prompts"] or f"datasets {config['datasets']}, {config['limit']} each"
     lines += ["", f"{env['device_name']} ({env['device']}), {env['dtype']}, torch {env['torch']}, transformers "
               f"{env['transformers']}; prompts from {source}, left-padded batches, max_new_tokens "
-              f"{config['max_new_tokens']}; prompts used per batch size (full batches only): {used}. tokens/s counts "
+              f"{config['max_new_tokens']}{_drafts_per_block(result)}; prompts used per batch size (full batches only): {used}. tokens/s counts "
               "each row's tokens up to its first stop; tau is tokens per row per target forward; phase times are per "
               "batched step."]
     return "\n".join(lines)

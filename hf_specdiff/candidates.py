@@ -253,6 +253,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         stats: SpeculationStats | None = None,
         static_cache_length: int | None = None,
         compile_config=None,
+        num_draft_tokens: int | None = None,
     ):
         self.drafter = speculator.drafter
         self.refiner = speculator.refiner
@@ -263,6 +264,9 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.lm_head = target.get_output_embeddings()
         self.max_length = generation_config.max_length
         self.block_size = self.drafter.config.block_size
+        # Drafts offered per block: the first `max_drafts` slots (all B-1 by default). Fewer narrow the verify forward,
+        # which pays where it is compute-bound (a CPU, large batches); the drafter still reads the whole block.
+        self.max_drafts = num_draft_tokens or self.block_size - 1
         self.mask_token_id = self.drafter.config.mask_token_id
         self.picker = DraftPicker(logits_processor, generation_config.do_sample)
         self.stats = stats if stats is not None else SpeculationStats(method)
@@ -275,6 +279,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         if self.static:
             self.cache_slots = static_cache_length + 2 * self.block_size  # the target's, plus context padding, a block
             self.cache = _compat.new_static_cache(self.drafter.config, self.cache_slots)
+            self.slot_index = torch.arange(self.cache_slots, device=self.device)
         else:
             self.cache = DynamicCache()
         self.cached_context = 0  # context slots in the static drafter cache (kept on the host: no sync to read it)
@@ -299,7 +304,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
             return input_ids, None
         batch, width = input_ids.shape
         lengths = rows.lengths if rows is not None else [width] * batch
-        num_drafts = min(self.block_size - 1, self.max_length - min(lengths) - 1)  # the row with most room left
+        num_drafts = min(self.max_drafts, self.max_length - min(lengths) - 1)  # the row with most room left
         if num_drafts <= 0:
             return input_ids, None
         if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
@@ -330,14 +335,14 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
                 attention_mask = torch.cat([context_mask, context_mask.new_ones(batch, self.block_size)], 1)
                 attention_mask = attention_mask.to(self.device)
             hidden, drafter_logits = draft_block(self.drafter, self.embed_tokens, self.lm_head, block_ids, features,
-                                                 positions, attention_mask, self.cache)
+                                                 positions, attention_mask, self.cache, self.max_drafts)
             _compat.crop_cache(self.cache, self.block_size)  # keep context K/V only
         synchronize(self.device)
         self.stats.draft_seconds += time.perf_counter() - start
 
         # 2. Resolve the block: marginals (dflash), Jacobi refinement (xpress) or left to right (markov).
         start = time.perf_counter()
-        self.picker.start_block(input_ids, self.block_size - 1, drafter_logits.shape[-1], rows)
+        self.picker.start_block(input_ids, self.max_drafts, drafter_logits.shape[-1], rows)
         if self.method == "xpress":
             # (b, 2): the token before the anchor, the anchor; a fresh copy, as a compiled step guards on strides
             anchors = last_tokens(input_ids, sequence_lengths, 2).clone(memory_format=torch.contiguous_format)
@@ -375,21 +380,22 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         start = self.cached_context
         positions = torch.cat([start + torch.arange(width, device=self.device),
                                context_length + torch.arange(self.block_size, device=self.device)])[None]
-        slots = torch.arange(self.cache_slots, device=self.device)
+        slots = self.slot_index
         block_start = start + width
         visible = (slots < context_length) | ((slots >= block_start) & (slots < block_start + self.block_size))
         # The first call's context width is the prompt's, a shape seen once: it runs eagerly, like the target's prefill.
         step = draft_block if self.cached_context == 0 else self.draft_step
         out = step(self.drafter, self.embed_tokens, self.lm_head, block_ids, features,
-                   positions.expand(block_ids.shape[0], -1), visible[None, None, None, :], self.cache)
+                   positions.expand(block_ids.shape[0], -1), visible[None, None, None, :], self.cache, self.max_drafts)
         _compat.crop_cache(self.cache, width - num_new + self.block_size)  # keep the real context K/V only
         self.cached_context = context_length
         return out
 
 
-def draft_block(drafter, embed_tokens, lm_head, block_ids, features, positions, attention_mask, cache):
-    """One drafter pass: its final hidden states (b, B, H) and its logits for the draft slots 1..B-1 (b, B-1, V),
-    read out with the target's lm_head. The block's K/V are left in `cache` for the caller to crop."""
+def draft_block(drafter, embed_tokens, lm_head, block_ids, features, positions, attention_mask, cache, num_drafts):
+    """One drafter pass: its final hidden states (b, B, H) and its logits for the draft slots 1..num_drafts
+    (b, num_drafts, V), read out with the target's lm_head. The block's K/V are left in `cache` for the caller to
+    crop."""
     hidden = drafter(
         noise_embeds=embed_tokens(block_ids).to(drafter.device),
         context_hidden_states=features,
@@ -397,7 +403,7 @@ def draft_block(drafter, embed_tokens, lm_head, block_ids, features, positions, 
         attention_mask=attention_mask,
         cache=cache,
     ).last_hidden_state
-    return hidden, lm_head(hidden[:, 1:].to(lm_head.weight.dtype)).float()
+    return hidden, lm_head(hidden[:, 1 : num_drafts + 1].to(lm_head.weight.dtype)).float()
 
 
 @functools.cache

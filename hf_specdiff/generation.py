@@ -12,6 +12,14 @@ loop is ours, passed to `generate` as a `custom_generate` callable. The loop is 
 Greedy output equals the target's own greedy output; sampled output follows the target's distribution. Batches of any
 size with left-padded prompts: each row accepts and finishes on its own, and the output equals plain batched
 `generate` (per-row cache bookkeeping in `batching.py`).
+
+With `cache_implementation="static"` (batch 1) every step has the same shapes, so that it can be compiled once: the
+target cache is a `StaticCache` with a block of room past `max_length` (rolling back only lowers its length; the next
+verify overwrites the rejected slots), every verify forward is B tokens wide (the last blocks are padded), and the
+drafter keeps its context in a static cache too (`BlockDiffusionCandidateGenerator._draft_static`). Where transformers
+would compile plain decoding's forward, the verify forward, the draft step and the sync-free Jacobi refinement
+(`xpress.jacobi_refine_unrolled`) run through `torch.compile`; on a GPU its default mode captures them as CUDA graphs,
+which removes the per-kernel launch cost that bounds a small target's eager decoding.
 """
 
 from __future__ import annotations
@@ -151,6 +159,7 @@ def speculative_decoding(
     method: str,
     streamer=None,
     num_jacobi_passes: int | None = None,
+    num_draft_tokens: int | None = None,
     **model_kwargs,
 ):
     """Any batch size, prompts left-padded. Each row accepts its own number of tokens per step and finishes on its own.
@@ -185,6 +194,7 @@ def speculative_decoding(
         model, speculator, method, generation_config, logits_processor, num_jacobi_passes, stats,
         static_cache_length=room if static else None,
         compile_config=_compat.compile_config(model, generation_config) if compiled else None,
+        num_draft_tokens=num_draft_tokens,
     )
     has_eos_criterion = any(hasattr(c, "eos_token_id") for c in stopping_criteria)  # as plain `generate` decides
     rows = RowBatch(input_ids, model_kwargs.get("attention_mask"), generation_config, pad_after_stop=has_eos_criterion)
@@ -207,7 +217,8 @@ def speculative_decoding(
         synchronize(input_ids.device)
         start = time.perf_counter()
         fed, positions, attention_mask = rows.verify_inputs(candidates, first)
-        padding = block_size - fed.shape[1] if static and not first else 0  # static: every verify is B tokens wide
+        # static: every verify forward has the same width, the anchor and a full set of drafts
+        padding = drafter.max_drafts + 1 - fed.shape[1] if static and not first else 0
         if padding:  # the padded slots' logits are ignored and their K/V cropped below, like rejected drafts'
             fed = torch.cat([fed, fed[:, -1:].expand(-1, padding)], dim=1)
             positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, padding + 1, device=fed.device)], 1)
@@ -359,7 +370,8 @@ def _attention_types(config) -> set[str]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _speculative_generate(model, *args, speculation=None, assistant_model=None, num_jacobi_passes=None, **kwargs):
+def _speculative_generate(model, *args, speculation=None, assistant_model=None, num_jacobi_passes=None,
+                          num_draft_tokens=None, **kwargs):
     from .speculator import Speculator
 
     generate = type(model).generate
@@ -392,6 +404,11 @@ def _speculative_generate(model, *args, speculation=None, assistant_model=None, 
         raise ValueError(
             f"num_jacobi_passes={num_jacobi_passes} applies to speculation='xpress' only and must be >= 1."
         )
+    if num_draft_tokens is not None and not 1 <= num_draft_tokens < assistant_model.drafter.config.block_size:
+        raise ValueError(
+            f"num_draft_tokens={num_draft_tokens}: a block of {assistant_model.drafter.config.block_size} slots offers "
+            f"1 to {assistant_model.drafter.config.block_size - 1} drafts (the first slot is the anchor)."
+        )
     assistant_model.check_compatible(model, speculation)
 
     # Stop strings need the tokenizer, which transformers does not hand to a custom decoding loop: build the
@@ -415,6 +432,7 @@ def _speculative_generate(model, *args, speculation=None, assistant_model=None, 
         method=speculation,
         streamer=kwargs.pop("streamer", None),
         num_jacobi_passes=num_jacobi_passes,
+        num_draft_tokens=num_draft_tokens,
     )
     return generate(model, *args, custom_generate=loop, **kwargs)
 

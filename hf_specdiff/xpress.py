@@ -105,9 +105,12 @@ class XPressRefiner(PreTrainedModel):
         return torch.cat([self.down_h(h), self.down_g(g).expand(-1, h.shape[1], -1)], dim=-1)
 
     def forward(self, context: torch.Tensor, prev_tokens: torch.LongTensor) -> torch.Tensor:
-        """Logit bias for slots 1..B-1: (b, B-1, V). `context` from `block_context`; `prev_tokens` (b, B)."""
-        x = self.in_proj(torch.cat([context, self.w1(prev_tokens)], dim=-1))  # (b, B, r)
-        L = self.mix.tril()  # (r, B, B): keep j <= k
+        """Logit bias for slots 1..n-1: (b, n-1, V). `context` (b, n, 2r): the first n slots of `block_context`;
+        `prev_tokens` (b, n). n = B for a whole block; fewer slots give the same bias for those slots, since nothing
+        reads a later slot (the mixer is lower triangular), so a caller drafting fewer tokens skips the rest."""
+        n = prev_tokens.shape[1]
+        x = self.in_proj(torch.cat([context, self.w1(prev_tokens)], dim=-1))  # (b, n, r)
+        L = self.mix[:, :n, :n].tril()  # (r, n, n): keep j <= k
         x = x + torch.einsum("ckj,bjc->bkc", L, x)
         x = x + self.down(F.silu(self.gate(x)) * self.up(x))
         return self.w2(x[:, 1:])
@@ -128,7 +131,8 @@ def jacobi_refine(
     """Resolve a drafted block with K parallel refinement passes.
 
     Args:
-        drafter_logits: (b, B-1, V) the drafter's logits for slots 1..B-1.
+        drafter_logits: (b, n, V) the drafter's logits for slots 1..n (n = B-1 for a whole block; fewer when the caller
+            drafts fewer tokens: the refiner never reads a later slot).
         drafter_hidden: (b, B, H) the drafter's final hidden states for all B slots.
         anchor_tokens: (b, 2) the token before the anchor and the anchor: prev of slots 0 and 1.
         pick: `pick(logits, assumed)` -> (tokens, processed logits); `assumed` are the block tokens that earlier
@@ -136,10 +140,10 @@ def jacobi_refine(
             the block's shared Gumbel noise, so the same noise is reused by every pass.
         num_passes: K.
     Returns:
-        tokens (b, B-1), q (b, B-1, V): the processed logits the tokens were picked from, passes run.
+        tokens (b, n), q (b, n, V): the processed logits the tokens were picked from, passes run.
     """
     tokens, q = pick(drafter_logits, None)  # seed: the drafter alone
-    context = refiner.block_context(drafter_hidden)
+    context = refiner.block_context(drafter_hidden)[:, : drafter_logits.shape[1] + 1]  # the drafted slots' prefix
     passes = 0
     while passes < num_passes:
         passes += 1
@@ -173,7 +177,7 @@ def jacobi_refine_unrolled(
         return (q if gumbel is None else q + gumbel).argmax(dim=-1), q
 
     tokens, q = pick(drafter_logits)
-    context = refiner.block_context(drafter_hidden)
+    context = refiner.block_context(drafter_hidden)[:, : drafter_logits.shape[1] + 1]
     passes = torch.full((), num_passes, device=tokens.device)
     converged = torch.zeros((), dtype=torch.bool, device=tokens.device)
     for number in range(1, num_passes + 1):

@@ -122,6 +122,20 @@ def test_accepted_drafts_rows_equal_row_by_row(method, record_drafts):
         assert sum(taus) / len(taus) > 1.5, "the oracle should get runs of several tokens accepted"
 
 
+@pytest.mark.parametrize("method", ["xpress", "markov"])
+def test_fewer_draft_tokens_rows_equal_plain_batched(method):
+    """num_draft_tokens with a batch: every row still gets plain batched generate's tokens, with at most k drafts."""
+    target = hf_specdiff.enable(make_successor_target(eos_token_id=17))
+    speculator = make_speculator(target, oracle=True)
+    for i, prompts in enumerate(ragged_batches(count=3, size=4, seed=2)):
+        ids, mask = left_pad(prompts)
+        plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10 + 5 * i)
+        out = speculate(target, speculator, method, ids, mask, do_sample=False, max_new_tokens=10 + 5 * i,
+                        num_draft_tokens=2)
+        assert torch.equal(out.sequences, plain)
+        assert max(out.speculation.drafted_lengths) <= 2 and max(out.speculation.accepted_lengths) <= 3
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_rows_finish_at_different_steps_and_leave_the_batch(method, record_drafts):
     """Pure successor target, EOS = 17: rows reach EOS inside a drafted block at different steps, or never (they stop

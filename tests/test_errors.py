@@ -43,6 +43,8 @@ def generate(target, speculator, **kwargs):
         (dict(speculation_type="dflash"), "not both"),
         (dict(custom_generate=lambda *a, **k: None), "remove `custom_generate`"),
         (dict(num_jacobi_passes=0), "must be >= 1"),
+        (dict(num_draft_tokens=0), "offers 1 to 7 drafts"),
+        (dict(num_draft_tokens=8), "offers 1 to 7 drafts"),
         (dict(prompt_lookup_num_tokens=3), "remove `prompt_lookup_num_tokens`"),
         (dict(synced_gpus=True), "synced_gpus"),
     ],

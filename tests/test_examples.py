@@ -33,9 +33,10 @@ def test_gpu_script_parses():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["speculator", "diffusion"])
+@pytest.mark.parametrize("stage", ["speculator", "diffusion", "speed"])
 def test_gpu_script_runs_end_to_end_at_smoke_size(tmp_path, stage):
-    """QUICK=1: every command of the script (train, bench, curve, export / train, calibrate, bench) at toy size."""
+    """QUICK=1: every command of the script (train, bench, curve, export / train, calibrate, bench / bench, loop
+    overhead) at toy size."""
     require_bench_data()
     from hf_specdiff.bench import find_data_dir
 
@@ -50,6 +51,9 @@ def test_gpu_script_runs_end_to_end_at_smoke_size(tmp_path, stage):
     if stage == "speculator":
         assert json.loads((out / "curve.json").read_text())["kind"] == "batch_curve"
         assert (out / "speculator" / "README.md").is_file()
+    elif stage == "speed":
+        assert "xpress_static" in json.loads((out / "bench.json").read_text())["runs"]
+        assert "xpress, static + compiled" in (out / "loop_overhead.txt").read_text()
     else:
         assert "ar_base" in json.loads((out / "bench.json").read_text())["runs"]
         assert (out / "train" / "diffusion_lm" / "spiffy_graph.json").is_file()

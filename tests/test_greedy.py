@@ -20,10 +20,11 @@ def prompts(count=50, seed=0):
         yield i, torch.randint(1, VOCAB, (1, length), generator=generator)
 
 
-def assert_same_as_plain(target, speculator, method, prompt, **kwargs):
+def assert_same_as_plain(target, speculator, method, prompt, spec_kwargs=None, **kwargs):
     plain = target.generate(prompt, do_sample=False, **kwargs)
     out = target.generate(
-        prompt, do_sample=False, assistant_model=speculator, speculation=method, return_dict_in_generate=True, **kwargs
+        prompt, do_sample=False, assistant_model=speculator, speculation=method, return_dict_in_generate=True,
+        **kwargs, **(spec_kwargs or {}),
     )
     assert torch.equal(out.sequences, plain), f"{method}: {out.sequences.tolist()} != {plain.tolist()}"
     stats = out.speculation
@@ -185,3 +186,44 @@ def test_native_path_sees_the_same_drafts_as_ours():
         prompt, model_kwargs={"position_ids": position_ids, "attention_mask": torch.ones_like(prompt)}, **kwargs)
     assert torch.equal(ids_ours, ids_theirs)
     torch.testing.assert_close(q_ours, q_theirs.to(q_ours.dtype))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_fewer_draft_tokens_stay_lossless(method, cache):
+    """num_draft_tokens=k offers the first k slots of each block: still plain greedy's output, never more than k + 1
+    tokens per step, and whole runs of k drafts accepted with the oracle add-ons."""
+    target = hf_specdiff.enable(make_successor_target())
+    speculator = make_speculator(target, oracle=True)
+    for k in (1, 3):
+        lengths = []
+        for i, prompt in prompts(12):
+            stats = assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=5 + 7 * (i % 6),
+                                         spec_kwargs=dict(num_draft_tokens=k, cache_implementation=cache))
+            assert max(stats.drafted_lengths, default=0) <= k
+            lengths += stats.accepted_lengths
+        assert max(lengths) <= k + 1
+        if method != "dflash":  # the oracle add-ons get whole blocks of k drafts accepted
+            assert max(lengths) == k + 1
+
+
+def test_refining_fewer_slots_gives_the_same_leading_tokens():
+    """The refiner never reads a later slot: refining the first k slots alone gives the whole block's first k tokens."""
+    from hf_specdiff.candidates import DraftPicker
+    from hf_specdiff.xpress import jacobi_refine
+
+    target = make_successor_target()
+    refiner = make_speculator(target, oracle=True).refiner
+    block = refiner.config.block_size
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        logits = torch.randn(2, block - 1, VOCAB, generator=generator)
+        hidden = torch.randn(2, block, refiner.config.hidden_size, generator=generator).to(refiner.dtype)
+        anchors = torch.randint(0, VOCAB, (2, 2), generator=generator)
+        picker = DraftPicker(None, do_sample=False)
+        picker.start_block(anchors, block - 1, VOCAB)
+        whole, _, _ = jacobi_refine(refiner, logits, hidden, anchors, picker, num_passes=2 * block)
+        for k in (1, 3, block - 2):
+            picker.start_block(anchors, k, VOCAB)
+            head, _, _ = jacobi_refine(refiner, logits[:, :k], hidden, anchors, picker, num_passes=2 * block)
+            assert torch.equal(head, whole[:, :k])
