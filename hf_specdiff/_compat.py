@@ -21,6 +21,9 @@ that range, so an upgrade shows which of these facts to re-check:
   5.17 and 5.24). The benchmark uses them to report and to force compilation of `ar_static`. The options of that
   compilation are `generation_config.compile_config`, else `PreTrainedModel._default_compile_config()` (both), which
   the speculative loop also compiles its draft and refinement steps with.
+- With `cache_implementation="static"`, `generate` sizes its static cache to the largest length any call on this model
+  asked for so far and remembers it as `model._previous_max_cache_length` (both), so that later calls keep the cache
+  shape and the compiled forward does not recompile; the speculative loop sizes its own static caches from it too.
 """
 
 from __future__ import annotations
@@ -121,3 +124,10 @@ def new_static_cache(config, max_cache_len: int) -> StaticCache:
 def compile_config(model, generation_config):
     """The `CompileConfig` `generate` compiles `model`'s forward with: the generation config's, else the model's default."""
     return generation_config.compile_config or model._default_compile_config()
+
+
+def static_cache_length(model, generation_config) -> int:
+    """The length `generate` sizes a static cache to for this call: at least `max_length` and `max_cache_len`, and
+    never less than an earlier call on this model used (so that compiled forwards keep their shapes)."""
+    return max(generation_config.max_length, generation_config.max_cache_len or 0,
+               getattr(model, "_previous_max_cache_length", 0))

@@ -15,7 +15,8 @@ size with left-padded prompts: each row accepts and finishes on its own, and the
 
 With `cache_implementation="static"` (batch 1) every step has the same shapes, so that it can be compiled once: the
 target cache is a `StaticCache` with a block of room past `max_length` (rolling back only lowers its length; the next
-verify overwrites the rejected slots), every verify forward is B tokens wide (the last blocks are padded), and the
+verify overwrites the rejected slots), every verify forward has the same width (the anchor and `num_draft_tokens`
+drafts, B-1 by default; the last blocks are padded), and the
 drafter keeps its context in a static cache too (`BlockDiffusionCandidateGenerator._draft_static`). Where transformers
 would compile plain decoding's forward, the verify forward, the draft step and the sync-free Jacobi refinement
 (`xpress.jacobi_refine_unrolled`) run through `torch.compile`; on a GPU its default mode captures them as CUDA graphs,
@@ -177,13 +178,13 @@ def speculative_decoding(
     keep_logits = want_dict and generation_config.output_logits
     stats = SpeculationStats(method, batch_size=input_ids.shape[0])
     block_size = speculator.drafter.config.block_size
-    # cache_implementation="static" (batch 1): a static target cache with room for a whole block past max_length, the
-    # verify forward always B tokens wide, and, where transformers would compile plain decoding's forward (by its own
-    # rule: cuda / xpu / neuron / tpu, or `compile_config._compile_all_devices`; never with `disable_compile`), the
-    # verify forward, the draft step and the Jacobi refinement all compiled.
+    # cache_implementation="static" (batch 1): a static target cache with room for a whole block past the length
+    # transformers sizes static caches to, every verify forward equally wide, and, where transformers would compile
+    # plain decoding's forward (by its own rule: cuda / xpu / neuron / tpu, or `compile_config._compile_all_devices`;
+    # never with `disable_compile`), the verify forward, the draft step and the Jacobi refinement all compiled.
     static = generation_config.cache_implementation == "static"
     if static:
-        room = max(generation_config.max_length, generation_config.max_cache_len or 0) + block_size
+        room = _compat.static_cache_length(model, generation_config) + block_size
         cache = _compat.new_static_cache(model.config.get_text_config(decoder=True), room)
     else:
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
@@ -309,11 +310,17 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
             f"speculation=... needs a cache that can be rolled back; cache_implementation="
             f"{generation_config.cache_implementation!r} cannot. Use the default dynamic cache, or 'static' (batch 1)."
         )
-    if generation_config.cache_implementation == "static" and batch_size > 1:
-        raise ValueError(
-            f"speculation=... with cache_implementation='static' decodes one sequence; got a batch of {batch_size}. "
-            "Use the default dynamic cache for batches, or generate row by row."
-        )
+    if generation_config.cache_implementation == "static":
+        if batch_size > 1:
+            raise ValueError(
+                f"speculation=... with cache_implementation='static' decodes one sequence; got a batch of {batch_size}. "
+                "Use the default dynamic cache for batches, or generate row by row."
+            )
+        if sliding := sorted(_attention_types(model.config.get_text_config()) - {"full_attention"}):
+            raise ValueError(
+                f"speculation=... with cache_implementation='static' needs full-attention layers; this model also has "
+                f"{sliding} layers, whose static windows cannot be rolled back. Use the default dynamic cache."
+            )
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError(
             "speculation=... does not return attentions or hidden states; set output_attentions=False and "

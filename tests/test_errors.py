@@ -54,7 +54,7 @@ def test_unsupported_generate_arguments(target, speculator, kwargs, message):
         generate(target, speculator, **kwargs)
 
 
-def test_static_cache_is_for_one_sequence(target, speculator):
+def test_static_cache_limits(target, speculator):
     batch = torch.cat([PROMPT, PROMPT])
     with pytest.raises(ValueError, match="decodes one sequence"):
         target.generate(batch, assistant_model=speculator, speculation="xpress", cache_implementation="static",
@@ -62,6 +62,9 @@ def test_static_cache_is_for_one_sequence(target, speculator):
     cache = StaticCache(config=target.config, max_cache_len=64)
     with pytest.raises(ValueError, match="cache_implementation='static' instead"):
         generate(target, speculator, past_key_values=cache)
+    target.config.sliding_window = 8  # as Mistral-style configs declare sliding-window attention
+    with pytest.raises(ValueError, match="static windows cannot be rolled back"):
+        generate(target, speculator, cache_implementation="static")
 
 
 def test_right_padded_prompt(target, speculator):

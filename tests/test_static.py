@@ -95,6 +95,11 @@ def test_compiled_static_decoding_is_lossless_and_compiles_once():
         assert compiled.speculation.accepted_lengths == eager.speculation.accepted_lengths
         assert compiled.speculation.tau > 3.0, "the oracle's blocks should be accepted"
     assert torch._dynamo.utils.counters["frames"]["ok"] > frames_before, "nothing was compiled"
+    # a shorter call without max_cache_len keeps the size transformers remembers for this model: no recompile either
+    compile_kwargs.pop("max_cache_len")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = run(target, speculator, "xpress", prompt, max_new_tokens=20, **compile_kwargs)
+    assert torch.equal(compiled.sequences, target.generate(prompt, do_sample=False, max_new_tokens=20))
 
 
 def test_static_cache_without_compilation_on_the_cpu():
