@@ -112,6 +112,18 @@ class DraftPicker:
     def lengths(self) -> list[int] | None:
         return None if self.rows is None else self.rows.lengths
 
+    @property
+    def position_free(self) -> bool:
+        """Whether every processor scores a position without reading the tokens before it (or there are none)."""
+        return all(isinstance(p, _POSITION_FREE_PROCESSORS) for p in self.processors or [])
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """Position-free processors on float32 logits (b, n, V), as `process_logits` applies them. They never read
+        the prefix, so a fixed one-token stand-in keeps a compiled caller's input shapes constant."""
+        b, n, vocab = logits.shape
+        stand_in = torch.zeros(b * n, 1, dtype=torch.long, device=logits.device)
+        return self.processors(stand_in, logits.reshape(b * n, vocab)).view(b, n, vocab)
+
     def _first(self, offset: int = 0) -> int | list[int]:
         return self.prefix.shape[1] + offset if self.rows is None else [n + offset for n in self.rows.lengths]
 
@@ -346,9 +358,10 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         if self.method == "xpress":
             # (b, 2): the token before the anchor, the anchor; a fresh copy, as a compiled step guards on strides
             anchors = last_tokens(input_ids, sequence_lengths, 2).clone(memory_format=torch.contiguous_format)
-            if self.refine_step is not None and not self.picker.processors:  # compiled: a plain argmax picker
+            if self.refine_step is not None and self.picker.position_free:  # compiled: the picker spelled out
                 tokens, q, passes = self.refine_step(
-                    self.refiner, drafter_logits, hidden, anchors, self.num_jacobi_passes, self.picker.gumbel
+                    self.refiner, drafter_logits, hidden, anchors, self.num_jacobi_passes, self.picker.gumbel,
+                    self.picker.warp if self.picker.processors else None,
                 )
             else:
                 tokens, q, passes = jacobi_refine(

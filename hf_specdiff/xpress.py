@@ -165,15 +165,18 @@ def jacobi_refine_unrolled(
     anchor_tokens: torch.LongTensor,
     num_passes: int,
     gumbel: torch.Tensor | None = None,
+    warp: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor]:
-    """`jacobi_refine` with a plain argmax picker (no logits processors; `gumbel` (b, B-1, V): the block's noise when
-    sampling), written for torch.compile: no host sync and no data-dependent branch. It always runs K passes: a fixed
-    point stays fixed (the same block gives the same logits), so the extra passes change nothing and the tokens and
-    q are `jacobi_refine`'s. The number of passes `jacobi_refine` would have run is counted on the device.
+    """`jacobi_refine` with the picker spelled out, written for torch.compile: no host sync and no data-dependent
+    branch. `warp` maps float32 logits (b, n, V) to processed ones (the target's processors whose output does not
+    depend on earlier tokens: temperature, top-k, top-p, ...; None: none); `gumbel` (b, n, V) is the block's noise
+    when sampling, None for greedy. It always runs K passes: a fixed point stays fixed (the same block gives the same
+    logits), so the extra passes change nothing and the tokens and q are `jacobi_refine`'s. The number of passes
+    `jacobi_refine` would have run is counted on the device.
 
-    Returns tokens (b, B-1), q (b, B-1, V) float32, passes (0-d tensor)."""
+    Returns tokens (b, n), q (b, n, V) float32, passes (0-d tensor)."""
     def pick(logits):
-        q = logits.float()  # what `DraftPicker` returns with no processors
+        q = logits.float() if warp is None else warp(logits.float())  # what `DraftPicker` returns
         return (q if gumbel is None else q + gumbel).argmax(dim=-1), q
 
     tokens, q = pick(drafter_logits)

@@ -12,6 +12,12 @@ import torch
 from conftest import VOCAB, make_speculator, make_successor_target, make_target
 
 from transformers import StaticCache
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 import hf_specdiff
 from hf_specdiff import _compat
@@ -26,9 +32,13 @@ def prompts(count, seed=0):
         yield i, torch.randint(1, VOCAB, (1, length), generator=generator)
 
 
-@pytest.mark.parametrize("do_sample", [False, True])
-def test_unrolled_refinement_equals_jacobi_refine(do_sample):
-    """Same tokens, same q, same pass count, including blocks that reach their fixed point before K passes."""
+WARPERS = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.9)])
+
+
+@pytest.mark.parametrize("do_sample,processors", [(False, None), (True, None), (True, WARPERS)])
+def test_unrolled_refinement_equals_jacobi_refine(do_sample, processors):
+    """Same tokens, same q, same pass count, including blocks that reach their fixed point before K passes; with
+    position-free warpers applied the way `DraftPicker` applies them."""
     target = make_successor_target()
     refiner = make_speculator(target, oracle=True).refiner
     block = refiner.config.block_size
@@ -39,10 +49,11 @@ def test_unrolled_refinement_equals_jacobi_refine(do_sample):
         logits = torch.randn(2, block - 1, VOCAB, generator=generator)
         hidden = torch.randn(2, block, refiner.config.hidden_size, generator=generator).to(refiner.dtype)
         anchors = torch.randint(0, VOCAB, (2, 2), generator=generator)
-        picker = DraftPicker(None, do_sample)
+        picker = DraftPicker(processors, do_sample)
         picker.start_block(anchors, block - 1, VOCAB)
         tokens, q, passes = jacobi_refine(refiner, logits, hidden, anchors, picker, num_passes)
-        unrolled = jacobi_refine_unrolled(refiner, logits, hidden, anchors, num_passes, picker.gumbel)
+        warp = picker.warp if processors else None
+        unrolled = jacobi_refine_unrolled(refiner, logits, hidden, anchors, num_passes, picker.gumbel, warp)
         assert torch.equal(unrolled[0], tokens)
         assert torch.equal(unrolled[1], q)
         assert int(unrolled[2]) == passes
@@ -51,8 +62,9 @@ def test_unrolled_refinement_equals_jacobi_refine(do_sample):
 
 
 def run(target, speculator, method, prompt, **kwargs):
-    return target.generate(prompt, do_sample=False, assistant_model=speculator, speculation=method,
-                           return_dict_in_generate=True, **kwargs)
+    kwargs.setdefault("do_sample", False)
+    return target.generate(prompt, assistant_model=speculator, speculation=method, return_dict_in_generate=True,
+                           **kwargs)
 
 
 @pytest.mark.parametrize("method", ["xpress", "dflash", "markov"])
@@ -95,6 +107,15 @@ def test_compiled_static_decoding_is_lossless_and_compiles_once():
         assert compiled.speculation.accepted_lengths == eager.speculation.accepted_lengths
         assert compiled.speculation.tau > 3.0, "the oracle's blocks should be accepted"
     assert torch._dynamo.utils.counters["frames"]["ok"] > frames_before, "nothing was compiled"
+    # sampled with warpers: compiled too, and a second call recompiles nothing
+    for i in range(2):
+        frames_before = torch._dynamo.utils.counters["frames"]["ok"]
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            sampled = run(target, speculator, "xpress", prompt, max_new_tokens=40, do_sample=True, temperature=0.7,
+                          top_k=20, **compile_kwargs)
+        assert sampled.sequences.shape[1] == prompt.shape[1] + 40
+        if i == 0:  # the refinement with the warpers is compiled on its own
+            assert torch._dynamo.utils.counters["frames"]["ok"] > frames_before
     # a shorter call without max_cache_len keeps the size transformers remembers for this model: no recompile either
     compile_kwargs.pop("max_cache_len")
     with torch._dynamo.config.patch(error_on_recompile=True):
