@@ -97,6 +97,14 @@ def require_bench_data():
         pytest.skip("benchmark data (shared/data) not available")
 
 
+def require_cpu_compiler():
+    """torch.compile on the CPU (inductor) builds C++: skip where no compiler is installed."""
+    import shutil
+
+    if not any(shutil.which(name) for name in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
+        pytest.skip("torch.compile on the CPU needs a C++ compiler (g++ / clang++), and none is installed")
+
+
 def small_dlm_with_smollm_tokenizer(folder, base_folder=None):
     """A small random diffusion LM (Dream-style shifted logits) with SmolLM2's real tokenizer, saved to `folder`
     with the tokenizer (and the causal LM it was made from to `base_folder`); returns the tokenizer. For end-to-end

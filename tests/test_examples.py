@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import require_bench_data
+from conftest import require_bench_data, require_cpu_compiler
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "quickstart.ipynb"
 
@@ -38,6 +38,8 @@ def test_gpu_script_runs_end_to_end_at_smoke_size(tmp_path, stage):
     """QUICK=1: every command of the script (train, bench, curve, export / train, calibrate, bench / bench, loop
     overhead) at toy size."""
     require_bench_data()
+    if stage == "speed":  # examples/loop_overhead.py compiles on the CPU too
+        require_cpu_compiler()
     from hf_specdiff.bench import find_data_dir
 
     data = find_data_dir(None).resolve()

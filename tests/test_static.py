@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, make_speculator, make_successor_target, make_target
+from conftest import VOCAB, make_speculator, make_successor_target, make_target, require_cpu_compiler
 
 from transformers import StaticCache
 from transformers.generation.logits_process import (
@@ -92,6 +92,7 @@ def test_static_cache_greedy_equals_plain_and_dynamic(method):
 def test_compiled_static_decoding_is_lossless_and_compiles_once():
     """torch.compile on the CPU (as `compile_config._compile_all_devices` allows): the compiled verify forward, draft
     step and refinement give plain greedy's tokens, and a second prompt of another length recompiles nothing."""
+    require_cpu_compiler()
     target = hf_specdiff.enable(make_successor_target(dtype=torch.float32))
     speculator = make_speculator(target, oracle=True).to(dtype=torch.float32)
     compile_kwargs = dict(cache_implementation="static", max_cache_len=96,
