@@ -296,7 +296,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
             self.cache = DynamicCache()
         self.cached_context = 0  # context slots in the static drafter cache (kept on the host: no sync to read it)
         # With a compile config (the target's decoding forward is compiled too), the draft step after the first and
-        # the Jacobi refinement without logits processors run through torch.compile.
+        # the Jacobi refinement (when every logits processor is position-free) run through torch.compile.
         self.draft_step = compiled(draft_block, compile_config) if compile_config is not None else draft_block
         self.refine_step = compiled(jacobi_refine_unrolled, compile_config) if compile_config is not None else None
 
