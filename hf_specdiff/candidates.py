@@ -45,6 +45,19 @@ _POSITION_FREE_PROCESSORS = (
 )
 
 
+def position_free(processors: LogitsProcessorList | None) -> bool:
+    """Whether every processor scores a position without reading the tokens before it (true with none)."""
+    return all(isinstance(p, _POSITION_FREE_PROCESSORS) for p in processors or [])
+
+
+def apply_position_free(processors: LogitsProcessorList, logits: torch.Tensor) -> torch.Tensor:
+    """Position-free processors on float32 logits (b, n, V), every position in one call. They never read the
+    prefix, so a one-token stand-in takes its place (which also keeps a compiled caller's input shapes constant)."""
+    b, n, vocab = logits.shape
+    stand_in = torch.zeros(b * n, 1, dtype=torch.long, device=logits.device)
+    return processors(stand_in, logits.reshape(b * n, vocab)).view(b, n, vocab)
+
+
 def process_logits(
     processors: LogitsProcessorList | None,
     sequence: torch.LongTensor,
@@ -64,9 +77,8 @@ def process_logits(
         return logits
     b, n, vocab = logits.shape
     starts = [first] * b if isinstance(first, int) else list(first)
-    if all(isinstance(p, _POSITION_FREE_PROCESSORS) for p in processors):
-        flat_prefix = sequence[:, : min(starts)].repeat_interleave(n, dim=0)
-        return processors(flat_prefix, logits.reshape(b * n, vocab)).view(b, n, vocab)
+    if position_free(processors):
+        return apply_position_free(processors, logits)
     if len(set(starts)) == 1 and (rows is None or len(rows.rows) == rows.batch_size):
         return torch.stack([processors(sequence[:, : starts[0] + i], logits[:, i]) for i in range(n)], dim=1)
     # One call per prefix length, over the (row, position) pairs that share it.
@@ -112,17 +124,9 @@ class DraftPicker:
     def lengths(self) -> list[int] | None:
         return None if self.rows is None else self.rows.lengths
 
-    @property
-    def position_free(self) -> bool:
-        """Whether every processor scores a position without reading the tokens before it (or there are none)."""
-        return all(isinstance(p, _POSITION_FREE_PROCESSORS) for p in self.processors or [])
-
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
-        """Position-free processors on float32 logits (b, n, V), as `process_logits` applies them. They never read
-        the prefix, so a fixed one-token stand-in keeps a compiled caller's input shapes constant."""
-        b, n, vocab = logits.shape
-        stand_in = torch.zeros(b * n, 1, dtype=torch.long, device=logits.device)
-        return self.processors(stand_in, logits.reshape(b * n, vocab)).view(b, n, vocab)
+        """This picker's position-free processors on float32 logits (b, n, V), as `process_logits` applies them."""
+        return apply_position_free(self.processors, logits)
 
     def _first(self, offset: int = 0) -> int | list[int]:
         return self.prefix.shape[1] + offset if self.rows is None else [n + offset for n in self.rows.lengths]
@@ -139,9 +143,7 @@ class DraftPicker:
     def __call__(self, logits: torch.Tensor, assumed: torch.LongTensor | None):
         """All slots at once: logits (b, n, V). Earlier slots are taken to hold `assumed` (b, n); with None, each
         slot's prefix holds the tokens just picked for the slots before it."""
-        if assumed is not None or not self.processors or all(
-            isinstance(p, _POSITION_FREE_PROCESSORS) for p in self.processors
-        ):
+        if assumed is not None or position_free(self.processors):
             context = self.prefix if assumed is None else append_ragged(self.prefix, self.lengths, assumed)
             processed = process_logits(self.processors, context, logits, self._first(), self.rows)
             return self._choose(processed, slice(0, logits.shape[1])), processed
@@ -358,7 +360,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         if self.method == "xpress":
             # (b, 2): the token before the anchor, the anchor; a fresh copy, as a compiled step guards on strides
             anchors = last_tokens(input_ids, sequence_lengths, 2).clone(memory_format=torch.contiguous_format)
-            if self.refine_step is not None and self.picker.position_free:  # compiled: the picker spelled out
+            if self.refine_step is not None and position_free(self.picker.processors):  # compiled: picker spelled out
                 tokens, q, passes = self.refine_step(
                     self.refiner, drafter_logits, hidden, anchors, self.num_jacobi_passes, self.picker.gumbel,
                     self.picker.warp if self.picker.processors else None,
@@ -393,8 +395,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         start = self.cached_context
         positions = torch.cat([start + torch.arange(width, device=self.device),
                                context_length + torch.arange(self.block_size, device=self.device)])[None]
-        slots = self.slot_index
-        block_start = start + width
+        slots, block_start = self.slot_index, start + width
         visible = (slots < context_length) | ((slots >= block_start) & (slots < block_start + self.block_size))
         # The first call's context width is the prompt's, a shape seen once: it runs eagerly, like the target's prefill.
         step = draft_block if self.cached_context == 0 else self.draft_step
