@@ -8,6 +8,7 @@
 #   examples/reproduce_on_gpu.sh speed OUT        no training: the shipped speculator's speed at batch 1 on GSM8K,
 #                                                  eager and compiled (ar_static, dflash_static, xpress_static), and
 #                                                  the loop's dispatch overhead per phase (examples/loop_overhead.py)
+#                                                  and the target forward's cost by width (examples/verify_cost.py)
 #
 # Environment (all optional):
 #   HF_SPECDIFF_DATA   benchmark sets and distill/ (default: ../shared/data)
@@ -26,9 +27,10 @@ distill="$data/distill/smollm2-135m-instruct"
 limit="${BENCH_LIMIT:-20}"
 tokens="${MAX_NEW_TOKENS:-256}"
 budget=(); [[ -n "${TRAIN_MINUTES:-}" ]] && budget=(--time-budget-minutes "$TRAIN_MINUTES")
-quick=(); curve_limit=64; curve_sizes=(1 4 16 32 64); calibrate_limit=25; dtype=bfloat16; block=32
+quick=(); verify=(--compile); curve_limit=64; curve_sizes=(1 4 16 32 64); calibrate_limit=25; dtype=bfloat16; block=32
 if [[ "${QUICK:-0}" == 1 ]]; then
   quick=(--max-steps 3 --batch-size 2 --eval-every 3 --save-every 3 --max-seq-len 128)
+  verify=(--widths 1 2 --repeats 1 --context 16)
   limit=2; tokens=16; curve_limit=2; curve_sizes=(1 2); calibrate_limit=1; dtype=float32; block=8
 fi
 hardware="$(python -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU")')"
@@ -63,6 +65,7 @@ elif [[ "$stage" == speed ]]; then
       --methods ar ar_static dflash xpress dflash_static xpress_static prompt_lookup dflash_hf --dtype "$dtype" \
       --json "$out/bench.json" --markdown "$out/bench.md" --plots "$out"
   run python "$here/loop_overhead.py" --new-tokens "$tokens" | tee "$out/loop_overhead.txt"
+  run python "$here/verify_cost.py" --dtype "$dtype" "${verify[@]}" | tee "$out/verify_cost.txt"
 else
   echo "unknown stage $stage: speculator, diffusion or speed" >&2
   exit 2

@@ -158,6 +158,7 @@ def export(args) -> None:
         "train_hardware": args.train_hardware, "train_steps": log[-1]["step"] if log else 0,
         "holdout_estimate": f"{estimate} (step {last_eval.get('step', '-')})", "measured": measured,
         "bench_command": args.bench_command, "limitations": args.limitations, "storage_dtype": args.dtype,
+        "earlier_training": args.earlier_training,
     })
     write_model_card(args.output, card)
     print(f"wrote {args.output}")
@@ -261,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                                "train questions and 4,500 ShareGPT first turns, `shared/data/distill`")
     export_parser.add_argument("--train-hardware", default="a 2-core CPU")
     export_parser.add_argument("--limitations", default="")
+    export_parser.add_argument("--earlier-training", default="",
+                               help="for a run continued with --init-speculator: how that speculator was trained")
 
     from .diffusion import DiffusionGenerationConfig
 

@@ -15,7 +15,8 @@ def _parameters(module) -> str:
 
 def render_model_card(template: str | Path, speculator, train_config: dict, facts: dict) -> str:
     """Fill the template. `facts` supplies what only the caller knows: title, base_model, data_description,
-    train_hardware, train_steps, holdout_estimate, measured (Markdown), bench_command, limitations, storage_dtype."""
+    train_hardware, train_steps, holdout_estimate, measured (Markdown), bench_command, limitations, storage_dtype,
+    and `earlier_training` (what a continued run's starting speculator went through; may be empty)."""
     drafter = speculator.drafter.config
     values = {
         "block_size": drafter.block_size,
@@ -36,10 +37,19 @@ def render_model_card(template: str | Path, speculator, train_config: dict, fact
         "ce_weight": train_config["ce_weight"],
         "tv_weight": train_config["tv_weight"],
         "consistency_weight": train_config["consistency_weight"],
-        "init_layer": train_config["init_from_target_layer"],
+        "initialisation": _initialisation(train_config, facts.get("earlier_training", "")),
         **facts,
     }
     return Template(Path(template).read_text()).substitute(values)
+
+
+def _initialisation(train_config: dict, earlier_training: str) -> str:
+    if train_config.get("init_speculator"):
+        earlier = f": {earlier_training}" if earlier_training else ""
+        return f"Training continued from the speculator in `{train_config['init_speculator']}`{earlier}."
+    if train_config.get("init_from_target_layer") is None:
+        return "Draft layers initialised at random."
+    return f"Draft layer initialised from the target's layer {train_config['init_from_target_layer']}."
 
 
 def write_model_card(folder: str | Path, text: str) -> None:

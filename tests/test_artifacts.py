@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,6 +128,33 @@ def test_speculator_round_trip(tmp_path):
     # no base-model weights in the artifact: the drafter borrows the target's embedding and lm_head
     assert not any("embed" in k or "lm_head" in k for k in load_file(tmp_path / "model.safetensors"))
 
+
+
+@pytest.mark.parametrize("continued", [False, True])
+def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued):
+    """`hf-specdiff export`: the run's speculator in the asked dtype, reloadable, with a card rendered from the run's
+    config and log (every placeholder filled), which says where a continued run started."""
+    from hf_specdiff.cli import main
+    from hf_specdiff.training import TrainConfig
+
+    run, output = tmp_path / "run", tmp_path / "out"
+    speculator = make_speculator(make_target())
+    speculator.save_pretrained(run / "speculator")
+    config = TrainConfig(init_speculator="shipped/earlier" if continued else None, init_from_target_layer=-1)
+    (run / "train_config.json").write_text(json.dumps(config.to_dict()))
+    (run / "log.jsonl").write_text(json.dumps({"step": 7, "loss": 1.0, "tau_dflash": 1.5, "tau_xpress": 1.75}) + "\n")
+    template = Path(__file__).parents[1] / "model_cards" / "speculator.md"
+    main(["export", "--run", str(run), "--output", str(output), "--dtype", "bfloat16", "--template", str(template),
+          "--earlier-training", "614 steps from the target's last layer"])
+
+    loaded = AutoSpeculator.from_pretrained(output)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    card = (output / "README.md").read_text()
+    assert "${" not in card and "7 steps of batch" in card and "dflash 1.50, xpress 1.75 (step 7)" in card
+    if continued:
+        assert "continued from the speculator in `shipped/earlier`: 614 steps from the target's last layer." in card
+    else:
+        assert "Draft layer initialised from the target's layer -1." in card
 
 def test_missing_weight_is_a_clear_error(tmp_path):
     _, tensors = write_zlab_checkpoint(tmp_path)

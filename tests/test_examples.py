@@ -56,6 +56,7 @@ def test_gpu_script_runs_end_to_end_at_smoke_size(tmp_path, stage):
     elif stage == "speed":
         assert "xpress_static" in json.loads((out / "bench.json").read_text())["runs"]
         assert "xpress, static + compiled" in (out / "loop_overhead.txt").read_text()
+        assert "w2" in (out / "verify_cost.txt").read_text()
     else:
         assert "ar_base" in json.loads((out / "bench.json").read_text())["runs"]
         assert (out / "train" / "diffusion_lm" / "spiffy_graph.json").is_file()

@@ -1,0 +1,100 @@
+"""What one target forward costs by how many tokens it verifies: the ceiling on any speculative speedup.
+
+A speculative step pays one target forward of k + 1 tokens (the anchor and k drafts) and gains tau tokens from it,
+so it beats plain decoding only where tau > t(k + 1) / t(1), and that is before the draft and refinement cost
+anything. On a GPU t is nearly flat in the width (design.md section 7: 17 ms for 1 token, 21 ms for 16, eager), so
+acceptance sets the ceiling; on a CPU t grows with the width and sets it itself (`--num-draft-tokens` narrows it).
+
+Times the real target's forward as the speculative loop calls it (hidden states out, a KV cache of `--context`
+tokens of a GSM8K prompt in the chat template) for each width, eager with a dynamic cache, and with `--compile` also
+with a static cache and the forward compiled as `generate` compiles it (the first calls of each width are excluded).
+Prints the median ms per forward, its ratio to width 1, and so the tau that width - 1 drafts need to break even.
+
+    python examples/verify_cost.py [--target PATH] [--device cuda] [--dtype bfloat16] [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from hf_specdiff import _compat
+from hf_specdiff.bench import BenchConfig, load_prompts
+from hf_specdiff.candidates import synchronize
+
+
+def context_ids(tokenizer, length: int) -> torch.LongTensor:
+    """`length` tokens of real text: the first GSM8K prompt in the chat template, repeated as often as needed."""
+    (_, messages), = load_prompts(BenchConfig(datasets=["gsm8k"], limit=1))
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    return torch.tensor((ids * (length // len(ids) + 1))[:length])[None]
+
+
+def time_forward(forward, cache, ids, context: int, width: int, repeats: int) -> float:
+    """Median seconds of a forward of `width` tokens after `context` cached ones; the cache is cropped back after
+    each, as the loop crops rejected drafts."""
+    fed = ids[:, context : context + width]
+    positions = torch.arange(context, context + width, device=ids.device)[None]
+    seconds = []
+    for _ in range(repeats + 2):  # two warm-up calls (compilation, allocator) excluded
+        synchronize(ids.device)
+        start = time.perf_counter()
+        forward(input_ids=fed, position_ids=positions, use_cache=True, output_hidden_states=True, cache=cache)
+        synchronize(ids.device)
+        seconds.append(time.perf_counter() - start)
+        _compat.crop_cache(cache, width)
+    return statistics.median(seconds[2:])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", help="a causal LM folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--context", type=int, default=256, help="cached tokens before the verified ones")
+    parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4, 5, 8, 12, 16])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--compile", action="store_true", help="also a static cache with the forward compiled")
+    args = parser.parse_args()
+
+    if args.target:
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype))
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+    else:
+        from hf_specdiff import load_default_target
+
+        target, tokenizer = load_default_target(dtype=args.dtype)
+    target = target.to(args.device).eval()
+    ids = context_ids(tokenizer, args.context + max(args.widths)).to(args.device)
+
+    def prefilled(cache):
+        target(input_ids=ids[:, : args.context], use_cache=True, **_compat.cache_kwargs(target, cache))
+        return cache
+
+    def forward_with(call):  # the cache under the name this model's forward expects
+        return lambda cache, **kwargs: call(**kwargs, **_compat.cache_kwargs(target, cache))
+
+    setups = {"eager": (forward_with(target), lambda: prefilled(DynamicCache(config=target.config)))}
+    if args.compile:
+        compiled = target.get_compiled_call(_compat.compile_config_for_all_devices())
+        static = lambda: prefilled(_compat.new_static_cache(target.config, args.context + max(args.widths)))
+        setups["static + compiled"] = (forward_with(compiled), static)
+
+    print(f"{args.target or 'SmolLM2-135M-Instruct (embedded)'}, {args.device}, {args.dtype}, "
+          f"{args.context} cached tokens; ms per forward (x width 1 = tau needed to break even, drafting free)")
+    with torch.inference_mode():
+        for name, (forward, new_cache) in setups.items():
+            cache = new_cache()
+            times = {w: time_forward(forward, cache, ids, args.context, w, args.repeats) for w in args.widths}
+            base = times[args.widths[0]] if args.widths[0] == 1 else None
+            cells = "  ".join(f"w{w} {1000 * t:6.1f}" + (f" (x{t / base:.2f})" if base else "")
+                              for w, t in times.items())
+            print(f"{name:<18} {cells}")
+
+
+if __name__ == "__main__":
+    main()
