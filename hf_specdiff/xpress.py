@@ -104,16 +104,18 @@ class XPressRefiner(PreTrainedModel):
         g = h.mean(dim=1, keepdim=True)
         return torch.cat([self.down_h(h), self.down_g(g).expand(-1, h.shape[1], -1)], dim=-1)
 
-    def forward(self, context: torch.Tensor, prev_tokens: torch.LongTensor) -> torch.Tensor:
-        """Logit bias for slots 1..n-1: (b, n-1, V). `context` (b, n, 2r): the first n slots of `block_context`;
-        `prev_tokens` (b, n). n = B for a whole block; fewer slots give the same bias for those slots, since nothing
-        reads a later slot (the mixer is lower triangular), so a caller drafting fewer tokens skips the rest."""
+    def forward(self, context: torch.Tensor, prev_tokens: torch.LongTensor, skip: int = 0) -> torch.Tensor:
+        """Logit bias for slots 1+skip..n-1: (b, n-1-skip, V). `context` (b, n, 2r): the first n slots of
+        `block_context`; `prev_tokens` (b, n). n = B for a whole block; fewer slots give the same bias for those
+        slots, since nothing reads a later slot (the mixer is lower triangular), so a caller drafting fewer tokens
+        skips the rest. `skip` leaves out the first read-outs (the vocabulary-sized part of the cost) where the
+        caller already has them."""
         n = prev_tokens.shape[1]
         x = self.in_proj(torch.cat([context, self.w1(prev_tokens)], dim=-1))  # (b, n, r)
         L = self.mix[:, :n, :n].tril()  # (r, n, n): keep j <= k
         x = x + torch.einsum("ckj,bjc->bkc", L, x)
         x = x + self.down(F.silu(self.gate(x)) * self.up(x))
-        return self.w2(x[:, 1:])
+        return self.w2(x[:, 1 + skip :])
 
 
 Picker = Callable[[torch.Tensor, "torch.LongTensor | None"], "tuple[torch.LongTensor, torch.Tensor]"]
@@ -144,16 +146,20 @@ def jacobi_refine(
     """
     tokens, q = pick(drafter_logits, None)  # seed: the drafter alone
     context = refiner.block_context(drafter_hidden)[:, : drafter_logits.shape[1] + 1]  # the drafted slots' prefix
-    passes = 0
+    refined, passes, settled = drafter_logits, 0, 0
     while passes < num_passes:
         passes += 1
         prev = torch.cat([anchor_tokens, tokens[:, :-1]], dim=1)  # slot k sees the guess at slot k-1
-        refined = drafter_logits + refiner(context, prev).to(drafter_logits.dtype)
+        # A draft's logits depend only on the guesses before it, so those up to the first guess the last pass
+        # changed come out as before: keep them and read out the rest only.
+        bias = refiner(context, prev, skip=settled).to(drafter_logits.dtype)
+        refined = torch.cat([refined[:, :settled], drafter_logits[:, settled:] + bias], dim=1)
         new_tokens, q = pick(refined, tokens)
-        converged = torch.equal(new_tokens, tokens)
+        changed = (new_tokens != tokens).any(dim=0).nonzero()  # slots changed in any row (one host sync)
         tokens = new_tokens
-        if converged:  # fixed point: another pass would change nothing
+        if not len(changed):  # fixed point: another pass would change nothing
             break
+        settled = int(changed[0]) + 1
     return tokens, q, passes
 
 

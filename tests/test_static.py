@@ -38,12 +38,14 @@ WARPERS = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(20
 @pytest.mark.parametrize("do_sample,processors", [(False, None), (True, None), (True, WARPERS)])
 def test_unrolled_refinement_equals_jacobi_refine(do_sample, processors):
     """Same tokens, same q, same pass count, including blocks that reach their fixed point before K passes; with
-    position-free warpers applied the way `DraftPicker` applies them."""
+    position-free warpers applied the way `DraftPicker` applies them. `jacobi_refine` reads out only the slots after
+    the first one that the last pass changed and keeps the others' logits, the unrolled one reads out every slot at
+    every pass: blocks of three or more passes check that the kept logits are the ones a pass would recompute."""
     target = make_successor_target()
     refiner = make_speculator(target, oracle=True).refiner
     block = refiner.config.block_size
     generator = torch.Generator().manual_seed(0)
-    early = 0
+    early = deep = 0
     for trial in range(20):
         num_passes = [1, 3, 2 * block][trial % 3]
         logits = torch.randn(2, block - 1, VOCAB, generator=generator)
@@ -58,7 +60,9 @@ def test_unrolled_refinement_equals_jacobi_refine(do_sample, processors):
         assert torch.equal(unrolled[1], q)
         assert int(unrolled[2]) == passes
         early += passes < num_passes
+        deep += passes >= 3
     assert early, "some blocks should converge before K passes"
+    assert deep, "some blocks should need three passes or more"
 
 
 def run(target, speculator, method, prompt, **kwargs):
