@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 from .candidates import BlockDiffusionCandidateGenerator, SpeculationStats
 from .dflash import DFlashConfig, DFlashDraftModel
 from .diffusion import AutoDiffusionLM, DiffusionAdapter, DiffusionGenerationConfig, DiffusionLM, DiffusionLMConfig
-from .embedded import default_speculator_path, load_default_target
+from .embedded import default_diffusion_lm_path, default_speculator_path, load_default_target
 from .generation import SPECULATION_METHODS, SpeculativeDecoderOnlyOutput, disable, enable, is_enabled
 from .markov import MarkovConfig, MarkovHead
 from .speculator import AutoSpeculator, Speculator
@@ -44,6 +44,7 @@ __all__ = [
     "Speculator",
     "XPressConfig",
     "XPressRefiner",
+    "default_diffusion_lm_path",
     "default_speculator_path",
     "disable",
     "enable",

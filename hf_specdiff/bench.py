@@ -68,7 +68,9 @@ class BenchConfig:
     # True compiles on any device (on 2 CPU cores SmolLM2-135M takes ~40-50 s to compile, then decodes ~15% faster);
     # False never compiles
     compile: bool | None = None
-    target: str | None = None  # local folder or Hub id; None: the embedded SmolLM2-135M-Instruct
+    # local folder or Hub id; None: the embedded SmolLM2-135M-Instruct (diffusion methods: the diffusion LM shipped
+    # for it)
+    target: str | None = None
     speculator: str | None = None  # None: the speculator shipped for the embedded target
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     dtype: str = "float32"

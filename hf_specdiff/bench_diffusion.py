@@ -22,6 +22,7 @@ fluent the base, which wrote fluent text itself, finds them).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import math
 import re
@@ -125,8 +126,10 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
                          "batch curve measures the autoregressive speculative methods).")
     dtype = getattr(torch, config.dtype)
     if model is None:
-        if config.target is None:
-            raise ValueError("Diffusion benchmarks need --target: a diffusion LM folder or Hub id.")
+        from .embedded import default_diffusion_lm_path
+
+        if config.target is None:  # the one shipped for the embedded SmolLM2, as AR methods default to its speculator
+            config = dataclasses.replace(config, target=str(default_diffusion_lm_path()))
         model = AutoDiffusionLM.from_pretrained(config.target, dtype=dtype)
         tokenizer = load_tokenizer(config.target)
     model = model.to(config.device).eval()

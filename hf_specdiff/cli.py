@@ -100,9 +100,9 @@ def demo_diffusion(prompt: str, model_path: str | None, graph_path: str | None, 
     from .diffusion import AutoDiffusionLM, DiffusionGenerationConfig, diffusion_generate, load_tokenizer
     from .spiffy import DraftGraph
 
-    if model_path is None:
-        raise SystemExit("--model is required: a diffusion LM folder (e.g. one trained with `hf-specdiff "
-                         "train-diffusion`); no diffusion LM is shipped with this version.")
+    from .embedded import default_diffusion_lm_path
+
+    model_path = model_path or default_diffusion_lm_path()
     model = AutoDiffusionLM.from_pretrained(model_path, device=device)
     tokenizer = load_tokenizer(model_path)
     graph = DraftGraph.from_pretrained(graph_path or model_path)
@@ -135,7 +135,24 @@ def demo_diffusion(prompt: str, model_path: str | None, graph_path: str | None, 
         print(f"{name:<17} {nfe:>5} {speed:>9.1f}  {same}")
 
 
+SPECULATOR_TITLE = "SmolLM2-135M-Instruct dFlash + xPress speculator (block 16)"
+DIFFUSION_TITLE = "SmolLM2-135M-Instruct masked diffusion LM (LoRA adapter) with its Spiffy graph"
+
+
 def export(args) -> None:
+    """Ship a training run: a speculator run (holds speculator/) or a diffusion LM run (holds diffusion_lm/)."""
+    from pathlib import Path
+
+    if (Path(args.run) / "diffusion_lm").is_dir():
+        export_diffusion(args)
+    elif (Path(args.run) / "speculator").is_dir():
+        export_speculator(args)
+    else:
+        raise SystemExit(f"{args.run} holds neither speculator/ nor diffusion_lm/: pass the output_dir of "
+                         "`hf-specdiff train` or `hf-specdiff train-diffusion`.")
+
+
+def export_speculator(args) -> None:
     from pathlib import Path
 
     import torch
@@ -153,8 +170,8 @@ def export(args) -> None:
     if args.bench_json:
         measured = markdown_table(json.loads(Path(args.bench_json).read_text()))
     speculator.save_pretrained(args.output)
-    card = render_model_card(args.template, speculator, load_train_config(run), {
-        "title": args.title, "base_model": args.base_model, "data_description": args.data_description,
+    card = render_model_card(args.template or "model_cards/speculator.md", speculator, load_train_config(run), {
+        "title": args.title or SPECULATOR_TITLE, "base_model": args.base_model, "data_description": args.data_description,
         "train_hardware": args.train_hardware, "train_steps": log[-1]["step"] if log else 0,
         "holdout_estimate": f"{estimate} (step {last_eval.get('step', '-')})", "measured": measured,
         "bench_command": args.bench_command, "limitations": args.limitations, "storage_dtype": args.dtype,
@@ -162,6 +179,43 @@ def export(args) -> None:
     })
     write_model_card(args.output, card)
     print(f"wrote {args.output}")
+
+def export_diffusion(args) -> None:
+    """Copy a diffusion run's adapter artifact (tokenizer included), store its tensors in --dtype, keep a Spiffy graph
+    already in --output (export again after calibrating to quote the bench), and write the model card."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from .bench_diffusion import diffusion_markdown_table
+    from .diffusion.adapter_weights import WEIGHTS_NAME
+    from .model_card import load_train_config, render_diffusion_model_card, write_model_card
+    from .spiffy import GRAPH_FILE, DraftGraph
+
+    run, output = Path(args.run), Path(args.output)
+    source = run / "diffusion_lm"
+    published = json.loads((source / "config.json").read_text())
+    weights = {name: t.to(getattr(torch, args.dtype)).contiguous() for name, t in load_file(source / WEIGHTS_NAME).items()}
+    output.mkdir(parents=True, exist_ok=True)
+    for file in source.iterdir():
+        if file.name != WEIGHTS_NAME and file.is_file():
+            shutil.copy2(file, output / file.name)
+    save_file(weights, output / WEIGHTS_NAME, metadata={"format": "pt"})
+    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line.strip()]
+    graph = DraftGraph.from_pretrained(output) if (output / GRAPH_FILE).is_file() else None
+    measured = "Not benchmarked yet."
+    if args.bench_json:
+        measured = diffusion_markdown_table(json.loads(Path(args.bench_json).read_text()))
+    card = render_diffusion_model_card(args.template or "model_cards/diffusion_lm.md", published, weights,
+                                       load_train_config(run), log, graph, {
+        "title": args.title or DIFFUSION_TITLE, "base_model": args.base_model,
+        "data_description": args.data_description, "train_hardware": args.train_hardware, "measured": measured,
+        "bench_command": args.bench_command, "limitations": args.limitations, "storage_dtype": args.dtype,
+    })
+    write_model_card(output, card)
+    print(f"wrote {output}")
 
 
 @dataclasses.dataclass
@@ -244,20 +298,23 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser.add_argument("--speculator", default=None, help="default: the speculator shipped for the embedded target")
     demo_parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     demo_parser.add_argument("--diffusion", action="store_true", help="a masked diffusion LM with Spiffy instead")
-    demo_parser.add_argument("--model", default=None, help="--diffusion: the diffusion LM folder")
+    demo_parser.add_argument("--model", default=None, help="--diffusion: the diffusion LM folder (default: the shipped one)")
     demo_parser.add_argument("--draft-graph", default=None, help="--diffusion: default: the graph beside the model")
     demo_parser.add_argument("--block-length", type=int, default=32)
     demo_parser.add_argument("--threshold", type=float, default=0.9)
 
-    export_parser = commands.add_parser("export", help="ship a trained speculator: cast, save, write its model card")
-    export_parser.add_argument("--run", required=True, help="training output_dir (holds speculator/ and log.jsonl)")
+    export_parser = commands.add_parser("export", help="ship a trained speculator or diffusion LM: cast, save, write "
+                                        "its model card")
+    export_parser.add_argument("--run", required=True, help="training output_dir (holds speculator/ or diffusion_lm/, "
+                               "and log.jsonl)")
     export_parser.add_argument("--output", required=True)
     export_parser.add_argument("--dtype", default="bfloat16")
     export_parser.add_argument("--bench-json", help="a `hf-specdiff bench --json` result to quote in the card")
     export_parser.add_argument("--bench-command", default="hf-specdiff bench")
-    export_parser.add_argument("--template", default="model_cards/speculator.md")
+    export_parser.add_argument("--template", default=None,
+                               help="default: model_cards/speculator.md or model_cards/diffusion_lm.md")
     export_parser.add_argument("--base-model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    export_parser.add_argument("--title", default="SmolLM2-135M-Instruct dFlash + xPress speculator (block 16)")
+    export_parser.add_argument("--title", default=None, help=f"default: {SPECULATOR_TITLE!r} or {DIFFUSION_TITLE!r}")
     export_parser.add_argument("--data-description", default="SmolLM2-135M-Instruct's greedy answers to 4,500 GSM8K "
                                "train questions and 4,500 ShareGPT first turns, `shared/data/distill`")
     export_parser.add_argument("--train-hardware", default="a 2-core CPU")

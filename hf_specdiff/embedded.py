@@ -77,6 +77,17 @@ def default_speculator_path() -> Path:
     return path
 
 
+def default_diffusion_lm_path() -> Path:
+    """The masked diffusion LM shipped inside the package: a LoRA adapter over the embedded target, with its Spiffy
+    graph (`AutoDiffusionLM.from_pretrained` and `DraftGraph.from_pretrained` both read this folder)."""
+    path = Path(__file__).parent / "diffusion_lms" / "smollm2-135m-instruct"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"The shipped diffusion LM is missing from {path}: reinstall hf_specdiff, or pass a diffusion LM folder."
+        )
+    return path
+
+
 def load_default_target(dtype="float32", device: str | None = None, cache_dir=None):
     """Return `(model, tokenizer)` for the embedded SmolLM2-135M-Instruct, loaded from the local cache."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,5 +1,5 @@
-"""Model cards for speculators, rendered from `model_cards/speculator.md` with the facts of a training run and a
-benchmark run (never typed by hand)."""
+"""Model cards for speculators (`model_cards/speculator.md`) and diffusion LM adapters (`model_cards/diffusion_lm.md`),
+rendered with the facts of a training run and a benchmark run (never typed by hand)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,50 @@ def _initialisation(train_config: dict, earlier_training: str) -> str:
     if train_config.get("init_from_target_layer") is None:
         return "Draft layers initialised at random."
     return f"Draft layer initialised from the target's layer {train_config['init_from_target_layer']}."
+
+
+def render_diffusion_model_card(template: str | Path, adapter_config: dict, weights: dict, train_config: dict,
+                                log: list[dict], graph, facts: dict) -> str:
+    """Fill the diffusion LM template. adapter_config / weights: the artifact's config.json and tensors; log: the
+    training run's JSONL records; graph: its DraftGraph or None. `facts` as for `render_model_card` (title, base_model,
+    data_description, train_hardware, measured, bench_command, limitations, storage_dtype)."""
+    lora = adapter_config.get("lora")
+    size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
+    count = sum(t.numel() for t in weights.values()) / 1e6
+    if lora:
+        adapter = (f"LoRA of rank {lora['rank']} (alpha {lora['alpha']}) on {', '.join(lora['target_modules'])}, "
+                   f"{count:.2f}M parameters in {facts['storage_dtype']} ({size_mb:.1f} MB)")
+    else:
+        adapter = f"every layer's trained weights, {count:.1f}M parameters in {facts['storage_dtype']} ({size_mb:.0f} MB)"
+    if "mask_embedding" in weights:
+        adapter += ", and the trained [MASK] input embedding row"
+    diffusion = adapter_config["diffusion"]
+    evaluations = [r for r in log if "eval_accuracy" in r]
+    accuracy = lambda r: f"{r['eval_accuracy']:.1%} (step {r['step']}, held-out loss {r['eval_loss']:.2f})"  # noqa: E731
+    if graph is None:
+        graph_text = "missing: calibrate one with `hf-specdiff calibrate`"
+    else:
+        calibration = graph.calibration
+        graph_text = (f"its Spiffy draft graph: {len(graph)} nodes, calibrated on the model's own decoding of "
+                      f"{calibration.get('prompts', '?')} prompts ({', '.join(calibration.get('datasets', []))})")
+    values = {
+        "base": adapter_config.get("base"),
+        "shift_description": ("shifted logits: position i is predicted from output i - 1, as in the causal LM"
+                              if diffusion["shift_logits"] else "unshifted logits"),
+        "adapter_description": adapter,
+        "graph_description": graph_text,
+        "mask_eps": train_config["mask_eps"],
+        "block_share_percent": round(100 * train_config["block_masking_share"]),
+        "block_length": train_config["block_length"],
+        "batch_size": train_config["batch_size"] * train_config.get("gradient_accumulation_steps", 1),
+        "max_seq_len": train_config["max_seq_len"],
+        "learning_rate": train_config["learning_rate"],
+        "train_steps": log[-1]["step"] if log else 0,
+        "holdout_start": accuracy(evaluations[0]) if evaluations else "not measured",
+        "holdout_end": accuracy(evaluations[-1]) if evaluations else "not measured",
+        **facts,
+    }
+    return Template(Path(template).read_text()).substitute(values)
 
 
 def write_model_card(folder: str | Path, text: str) -> None:

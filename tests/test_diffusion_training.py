@@ -243,6 +243,44 @@ def test_cli_train_diffusion(setup, tmp_path):
     assert (tmp_path / "cli" / "diffusion_lm" / "adapter_model.safetensors").is_file()
 
 
+def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_path):
+    """`hf-specdiff export` on a diffusion run: adapter tensors in the asked dtype, loading to the run's model up to
+    that rounding, a card with every placeholder filled from the run's config and log, and a Spiffy graph calibrated
+    into the output folder kept (and described) when exporting again."""
+    from hf_specdiff.cli import main
+    from hf_specdiff.spiffy import DraftGraph, calibrate
+
+    folder, _, _, model = setup
+    output = tmp_path / "shipped"
+    template = Path(__file__).parents[1] / "model_cards" / "diffusion_lm.md"
+    export = ["export", "--run", str(folder / "run"), "--output", str(output), "--template", str(template)]
+    main(export)  # default dtype: bfloat16
+    tensors = load_file(output / "adapter_model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    card = (output / "README.md").read_text()
+    assert "${" not in card and "30 steps of batch 8 sequences" in card and "LoRA of rank 8" in card
+    first, last = read_log(folder / "run")[0], read_log(folder / "run")[-1]
+    assert (f"{first['eval_accuracy']:.1%} (step 0, held-out loss {first['eval_loss']:.2f}) before training, "
+            f"{last['eval_accuracy']:.1%} (step 30, held-out loss {last['eval_loss']:.2f}) at the end") in card
+    assert "missing: calibrate one with `hf-specdiff calibrate`" in card
+
+    loaded = AutoDiffusionLM.from_pretrained(output)
+    ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(3))
+    ids[:, 6:] = MASK
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0.05)
+
+    decoding = DiffusionGenerationConfig(max_new_tokens=16, block_length=8, stop_at_eos=False)
+    graph = calibrate(loaded, [torch.tensor([[10, 11, 12, 13]]), torch.tensor([[20, 21, 22]])], decoding,
+                      num_nodes=8, progress=False, description={"datasets": ["math500", "mbpp"]})
+    graph.save_pretrained(output)
+    main(export + ["--dtype", "float32"])
+    assert DraftGraph.from_pretrained(output).nodes == graph.nodes
+    card = (output / "README.md").read_text()
+    assert f"Spiffy draft graph: {len(graph)} nodes" in card and "2 prompts (math500, mbpp)" in card
+    assert {t.dtype for t in load_file(output / "adapter_model.safetensors").values()} == {torch.float32}
+
+
 @pytest.mark.parametrize("name", ["smollm2-135m-diffusion-gpu.json", "smollm2-135m-diffusion-cpu.json"])
 def test_example_configs_are_valid(name):
     config = DiffusionTrainConfig(**json.loads((EXAMPLES / name).read_text()))

@@ -35,8 +35,8 @@ def test_gpu_script_parses():
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["speculator", "diffusion", "speed"])
 def test_gpu_script_runs_end_to_end_at_smoke_size(tmp_path, stage):
-    """QUICK=1: every command of the script (train, bench, curve, export / train, calibrate, bench / bench, loop
-    overhead) at toy size."""
+    """QUICK=1: every command of the script (train, bench, curve, export / train, export, calibrate, bench, export /
+    bench, loop overhead, verify cost) at toy size."""
     require_bench_data()
     if stage == "speed":  # examples/loop_overhead.py compiles on the CPU too
         require_cpu_compiler()
@@ -59,4 +59,5 @@ def test_gpu_script_runs_end_to_end_at_smoke_size(tmp_path, stage):
         assert "w2" in (out / "verify_cost.txt").read_text()
     else:
         assert "ar_base" in json.loads((out / "bench.json").read_text())["runs"]
-        assert (out / "train" / "diffusion_lm" / "spiffy_graph.json").is_file()
+        shipped = out / "diffusion_lm"
+        assert (shipped / "spiffy_graph.json").is_file() and "| spiffy |" in (shipped / "README.md").read_text()

@@ -108,3 +108,38 @@ def test_shipped_speculator_loads_and_is_lossless(smollm):
     for method in ("xpress", "dflash", "markov"):
         spec = target.generate(**inputs, assistant_model=shipped, speculation=method, **kwargs)
         assert_greedy_equivalent(plain, spec, inputs["input_ids"].shape[1])
+
+
+def test_shipped_diffusion_lm_loads_in_one_call_and_spiffy_is_lossless(smollm):
+    """The diffusion LM shipped for the embedded target: its folder is complete and small, it loads with one call
+    (base loaded, adapter merged), and Spiffy with its shipped graph gives ordinary decoding's output in fewer or as
+    many forwards, in the exact (dual-cache) mode."""
+    from hf_specdiff.diffusion import AutoDiffusionLM, DiffusionGenerationConfig, diffusion_generate, load_tokenizer
+
+    folder = hf_specdiff.default_diffusion_lm_path()
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 30 * 2**20
+    assert "${" not in (folder / "README.md").read_text()
+    model = AutoDiffusionLM.from_pretrained(folder)
+    tokenizer = load_tokenizer(folder)
+    graph = hf_specdiff.DraftGraph.from_pretrained(folder)
+    assert graph.block_length == 32 and len(graph) > 0
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": questions(1)[0]}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    config = DiffusionGenerationConfig(max_new_tokens=32, block_length=32, cache="dual")
+    ordinary = diffusion_generate(model, ids, config=config, eos_token_id=tokenizer.eos_token_id)
+    spiffy = diffusion_generate(model, ids, config=config, draft_graph=graph, eos_token_id=tokenizer.eos_token_id)
+    assert spiffy.exact and torch.equal(spiffy.sequences, ordinary.sequences)
+    assert spiffy.nfe <= ordinary.nfe == 32
+    assert not (ordinary.sequences == model.mask_token_id).any()
+
+
+def test_diffusion_bench_defaults_to_the_shipped_diffusion_lm():
+    from hf_specdiff.bench import BenchConfig
+    from hf_specdiff.bench_diffusion import run_diffusion_bench
+
+    config = BenchConfig(datasets=["gsm8k"], limit=1, methods=["steps"], max_new_tokens=32, data_dir=None)
+    if not (DATA / "gsm8k").is_dir():
+        pytest.skip("benchmark data (shared/data) not available")
+    result = run_diffusion_bench(config, progress=False)
+    assert result["config"]["target"] == str(hf_specdiff.default_diffusion_lm_path()) and config.target is None
+    assert result["summary"]["steps"]["nfe"] <= 32
