@@ -194,6 +194,9 @@ def export_diffusion(args) -> None:
     from .model_card import load_train_config, render_diffusion_model_card, write_model_card
     from .spiffy import GRAPH_FILE, DraftGraph
 
+    if args.earlier_training:
+        raise SystemExit("--earlier-training describes a speculator run continued with --init-speculator; "
+                         f"{args.run} is a diffusion LM run: drop it.")
     run, output = Path(args.run), Path(args.output)
     source = run / "diffusion_lm"
     published = json.loads((source / "config.json").read_text())

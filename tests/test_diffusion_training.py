@@ -279,6 +279,10 @@ def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_pat
     card = (output / "README.md").read_text()
     assert f"Spiffy draft graph: {len(graph)} nodes" in card and "2 prompts (math500, mbpp)" in card
     assert {t.dtype for t in load_file(output / "adapter_model.safetensors").values()} == {torch.float32}
+    with pytest.raises(SystemExit, match="drop it"):
+        main(export + ["--earlier-training", "614 steps"])
+    with pytest.raises(SystemExit, match="neither speculator/ nor diffusion_lm/"):
+        main(["export", "--run", str(tmp_path), "--output", str(tmp_path / "x")])
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-diffusion-gpu.json", "smollm2-135m-diffusion-cpu.json"])
