@@ -158,12 +158,12 @@ def export_speculator(args) -> None:
     import torch
 
     from .bench import markdown_table
-    from .model_card import load_train_config, render_model_card, write_model_card
+    from .model_card import load_train_config, load_train_log, render_model_card, write_model_card
     from .speculator import AutoSpeculator
 
     run = Path(args.run)
     speculator = AutoSpeculator.from_pretrained(run / "speculator").to(getattr(torch, args.dtype))
-    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line.strip()]
+    log = load_train_log(run)
     last_eval = next((r for r in reversed(log) if any(k.startswith("tau_") for k in r)), {})
     estimate = ", ".join(f"{k[4:]} {v:.2f}" for k, v in last_eval.items() if k.startswith("tau_")) or "not measured"
     measured = "Not benchmarked yet."
@@ -180,6 +180,7 @@ def export_speculator(args) -> None:
     write_model_card(args.output, card)
     print(f"wrote {args.output}")
 
+
 def export_diffusion(args) -> None:
     """Copy a diffusion run's adapter artifact (tokenizer included), store its tensors in --dtype, keep a Spiffy graph
     already in --output (export again after calibrating to quote the bench), and write the model card."""
@@ -191,7 +192,7 @@ def export_diffusion(args) -> None:
 
     from .bench_diffusion import diffusion_markdown_table
     from .diffusion.adapter_weights import WEIGHTS_NAME
-    from .model_card import load_train_config, render_diffusion_model_card, write_model_card
+    from .model_card import load_train_config, load_train_log, render_diffusion_model_card, write_model_card
     from .spiffy import GRAPH_FILE, DraftGraph
 
     if args.earlier_training:
@@ -206,7 +207,7 @@ def export_diffusion(args) -> None:
         if file.name != WEIGHTS_NAME and file.is_file():
             shutil.copy2(file, output / file.name)
     save_file(weights, output / WEIGHTS_NAME, metadata={"format": "pt"})
-    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line.strip()]
+    log = load_train_log(run)
     graph = DraftGraph.from_pretrained(output) if (output / GRAPH_FILE).is_file() else None
     measured = "Not benchmarked yet."
     if args.bench_json:

@@ -69,7 +69,10 @@ def render_diffusion_model_card(template: str | Path, adapter_config: dict, weig
         adapter += ", and the trained [MASK] input embedding row"
     diffusion = adapter_config["diffusion"]
     evaluations = [r for r in log if "eval_accuracy" in r]
-    accuracy = lambda r: f"{r['eval_accuracy']:.1%} (step {r['step']}, held-out loss {r['eval_loss']:.2f})"  # noqa: E731
+
+    def accuracy(record: dict) -> str:
+        return f"{record['eval_accuracy']:.1%} (step {record['step']}, held-out loss {record['eval_loss']:.2f})"
+
     if graph is None:
         graph_text = "missing: calibrate one with `hf-specdiff calibrate`"
     else:
@@ -102,3 +105,9 @@ def write_model_card(folder: str | Path, text: str) -> None:
 
 def load_train_config(run_dir: str | Path) -> dict:
     return json.loads(Path(run_dir, "train_config.json").read_text())
+
+
+def load_train_log(run_dir: str | Path) -> list[dict]:
+    """The run's log.jsonl records, in order."""
+    lines = Path(run_dir, "log.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
