@@ -110,7 +110,7 @@ def test_shipped_speculator_loads_and_is_lossless(smollm):
         assert_greedy_equivalent(plain, spec, inputs["input_ids"].shape[1])
 
 
-def test_shipped_diffusion_lm_loads_in_one_call_and_spiffy_is_lossless(smollm):
+def test_shipped_diffusion_lm_loads_in_one_call_and_spiffy_is_lossless():
     """The diffusion LM shipped for the embedded target: its folder is complete and small, it loads with one call
     (base loaded, adapter merged), and Spiffy with its shipped graph gives ordinary decoding's output in fewer or as
     many forwards, in the exact (dual-cache) mode."""
@@ -137,9 +137,9 @@ def test_diffusion_bench_defaults_to_the_shipped_diffusion_lm():
     from hf_specdiff.bench import BenchConfig
     from hf_specdiff.bench_diffusion import run_diffusion_bench
 
-    config = BenchConfig(datasets=["gsm8k"], limit=1, methods=["steps"], max_new_tokens=32, data_dir=None)
     if not (DATA / "gsm8k").is_dir():
         pytest.skip("benchmark data (shared/data) not available")
+    config = BenchConfig(datasets=["gsm8k"], limit=1, methods=["steps"], max_new_tokens=32)
     result = run_diffusion_bench(config, progress=False)
     assert result["config"]["target"] == str(hf_specdiff.default_diffusion_lm_path()) and config.target is None
     assert result["summary"]["steps"]["nfe"] <= 32
