@@ -195,10 +195,11 @@ def export_diffusion(args) -> None:
     from .model_card import load_train_config, load_train_log, render_diffusion_model_card, write_model_card
     from .spiffy import GRAPH_FILE, DraftGraph
 
-    if args.earlier_training:
-        raise SystemExit("--earlier-training describes a speculator run continued with --init-speculator; "
-                         f"{args.run} is a diffusion LM run: drop it.")
     run, output = Path(args.run), Path(args.output)
+    train_config = load_train_config(run)
+    if args.earlier_training and not train_config.get("init_adapter"):
+        raise SystemExit(f"--earlier-training describes the run an init_adapter came from; {args.run} did not start "
+                         "from one: drop it.")
     source = run / "diffusion_lm"
     published = json.loads((source / "config.json").read_text())
     weights = {name: t.to(getattr(torch, args.dtype)).contiguous() for name, t in load_file(source / WEIGHTS_NAME).items()}
@@ -213,10 +214,11 @@ def export_diffusion(args) -> None:
     if args.bench_json:
         measured = diffusion_markdown_table(json.loads(Path(args.bench_json).read_text()))
     card = render_diffusion_model_card(args.template or "model_cards/diffusion_lm.md", published, weights,
-                                       load_train_config(run), log, graph, {
+                                       train_config, log, graph, {
         "title": args.title or DIFFUSION_TITLE, "base_model": args.base_model,
         "data_description": args.data_description, "train_hardware": args.train_hardware, "measured": measured,
         "bench_command": args.bench_command, "limitations": args.limitations, "storage_dtype": args.dtype,
+        "earlier_training": args.earlier_training,
     })
     write_model_card(output, card)
     print(f"wrote {output}")
@@ -324,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     export_parser.add_argument("--train-hardware", default="a 2-core CPU")
     export_parser.add_argument("--limitations", default="")
     export_parser.add_argument("--earlier-training", default="",
-                               help="for a run continued with --init-speculator: how that speculator was trained")
+                               help="for a run continued with --init-speculator or --init-adapter: how that speculator or "
+                               "adapter was trained")
 
     from .diffusion import DiffusionGenerationConfig
 

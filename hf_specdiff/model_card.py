@@ -56,7 +56,8 @@ def render_diffusion_model_card(template: str | Path, adapter_config: dict, weig
                                 log: list[dict], graph, facts: dict) -> str:
     """Fill the diffusion LM template. adapter_config / weights: the artifact's config.json and tensors; log: the
     training run's JSONL records; graph: its DraftGraph or None. `facts` as for `render_model_card` (title, base_model,
-    data_description, train_hardware, measured, bench_command, limitations, storage_dtype)."""
+    data_description, train_hardware, measured, bench_command, limitations, storage_dtype, and for a run that continued
+    an `init_adapter`, `earlier_training`: what that adapter went through; may be empty)."""
     lora = adapter_config.get("lora")
     size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
     count = sum(t.numel() for t in weights.values()) / 1e6
@@ -79,8 +80,18 @@ def render_diffusion_model_card(template: str | Path, adapter_config: dict, weig
         calibration = graph.calibration
         graph_text = (f"its Spiffy draft graph: {len(graph)} nodes, calibrated on the model's own decoding of "
                       f"{calibration.get('prompts', '?')} prompts ({', '.join(calibration.get('datasets', []))})")
+    continued = train_config.get("init_adapter")
+    if continued:
+        earlier_steps = adapter_config.get("trained_steps", 0) - (log[-1]["step"] if log else 0)
+        earlier = f": {facts['earlier_training']}" if facts.get("earlier_training") else ""
+        initialisation = (f"Training continued the adapter in `{continued}`, trained for {earlier_steps} steps before"
+                          f"{earlier}. ")
+        start_label = "at the start of this run (the earlier adapter)"
+    else:
+        initialisation, start_label = "", "before training"
     values = {
         "base": adapter_config.get("base"),
+        "initialisation": initialisation,
         "shift_description": ("shifted logits: position i is predicted from output i - 1, as in the causal LM"
                               if diffusion["shift_logits"] else "unshifted logits"),
         "adapter_description": adapter,
@@ -92,7 +103,7 @@ def render_diffusion_model_card(template: str | Path, adapter_config: dict, weig
         "max_seq_len": train_config["max_seq_len"],
         "learning_rate": train_config["learning_rate"],
         "train_steps": log[-1]["step"] if log else 0,
-        "holdout_start": accuracy(evaluations[0]) if evaluations else "not measured",
+        "holdout_start": f"{accuracy(evaluations[0])} {start_label}" if evaluations else "not measured",
         "holdout_end": accuracy(evaluations[-1]) if evaluations else "not measured",
         **facts,
     }

@@ -279,10 +279,42 @@ def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_pat
     card = (output / "README.md").read_text()
     assert f"Spiffy draft graph: {len(graph)} nodes" in card and "2 prompts (math500, mbpp)" in card
     assert {t.dtype for t in load_file(output / "adapter_model.safetensors").values()} == {torch.float32}
-    with pytest.raises(SystemExit, match="drop it"):
+    with pytest.raises(SystemExit, match="did not start from one: drop it"):
         main(export + ["--earlier-training", "614 steps"])
     with pytest.raises(SystemExit, match="neither speculator/ nor diffusion_lm/"):
         main(["export", "--run", str(tmp_path), "--output", str(tmp_path / "x")])
+
+
+def test_init_adapter_continues_a_finished_run_and_the_card_says_so(setup, tmp_path):
+    """A new run from a saved adapter starts exactly where that adapter ended (same held-out figures at step 0), counts
+    its steps on, and its export tells the two stages apart; an adapter of another shape is refused before training."""
+    from hf_specdiff.cli import main
+
+    folder, data, config, _ = setup
+    earlier = folder / "run" / "diffusion_lm"
+    continued = dataclasses.replace(config, output_dir=str(tmp_path / "run2"), init_adapter=str(earlier), max_steps=3,
+                                    eval_every=3, save_every=3)
+    train_diffusion(continued, progress=False)
+    end_of_earlier, log = read_log(folder / "run")[-1], read_log(tmp_path / "run2")
+    assert [r["step"] for r in log] == [0, 1, 2, 3]
+    for name in ("eval_loss", "eval_accuracy", "eval_block_loss", "eval_block_accuracy"):
+        assert log[0][name] == pytest.approx(end_of_earlier[name], rel=1e-5), name
+    assert json.loads((tmp_path / "run2" / "diffusion_lm" / "config.json").read_text())["trained_steps"] == 33
+    assert AutoDiffusionLM.from_pretrained(tmp_path / "run2" / "diffusion_lm") is not None
+
+    template = Path(__file__).parents[1] / "model_cards" / "diffusion_lm.md"
+    main(["export", "--run", str(tmp_path / "run2"), "--output", str(tmp_path / "shipped"), "--template",
+          str(template), "--earlier-training", "30 tiny steps"])
+    card = (tmp_path / "shipped" / "README.md").read_text()
+    assert f"Training continued the adapter in `{earlier}`, trained for 30 steps before: 30 tiny steps. 3 steps" in card
+    assert (f"{log[0]['eval_accuracy']:.1%} (step 0, held-out loss {log[0]['eval_loss']:.2f}) at the start of this run "
+            "(the earlier adapter)") in card
+
+    with pytest.raises(ValueError, match="does not fit this run.*lora_rank"):
+        train_diffusion(dataclasses.replace(continued, output_dir=str(tmp_path / "r4"), lora_rank=4), progress=False)
+    with pytest.raises(ValueError, match="not a diffusion adapter folder"):
+        train_diffusion(dataclasses.replace(continued, output_dir=str(tmp_path / "r5"), init_adapter=str(tmp_path)),
+                        progress=False)
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-diffusion-gpu.json", "smollm2-135m-diffusion-cpu.json"])

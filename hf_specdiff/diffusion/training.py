@@ -33,7 +33,8 @@ row: the [MASK] logit only, which neither the loss nor the decoder reads. The ar
 that row and the base's name (`adapter_weights`).
 
 Built on `accelerate` (mixed precision, gradient accumulation, several GPUs); checkpoints hold the trained
-parameters and optimizer state only, and a rerun resumes from the latest one.
+parameters and optimizer state only, and a rerun resumes from the latest one. `init_adapter` continues a finished
+run's adapter in a new run (a new schedule, e.g. after a time budget cut the first one short).
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ class DiffusionTrainConfig:
     data: list[str] = field(default_factory=list)  # distill JSONL files with prompt_ids and response_ids
     output_dir: str = "runs/diffusion"  # checkpoints/, log.jsonl, train_config.json and the artifact diffusion_lm/
     base: str | None = None  # causal LM to adapt: local folder or Hub id; None = the embedded SmolLM2-135M-Instruct
+    # continue from a saved adapter of the same base and shape (its LoRA factors / weights and [MASK] row) instead of
+    # fresh ones; the optimizer and the learning-rate schedule start afresh
+    init_adapter: str | None = None
     mask_token_id: int | None = None  # None: 16 (<empty_output>) for the embedded SmolLM2, else the tokenizer's mask
     shift_logits: bool = True  # Dream-style: position i is predicted from output i-1 (False: LLaDA-style, no shift)
     finetune: str = "lora"  # "lora" (adapter of a few tens of MB) or "full" (every layer; embeddings stay frozen)
@@ -234,6 +238,49 @@ class DiffusionTrainee(nn.Module):
         return {name: t.detach() for name, t in tensors.items()}
 
     @torch.no_grad()
+    def load_adapter(self, folder: str, base_config: dict) -> int:
+        """Start from a saved adapter (`init_adapter`): its tensors replace the fresh ones, after checking that it was
+        trained on this base with this shape. Returns the steps it was trained for."""
+        from safetensors.torch import load_file
+
+        from .adapter_weights import WEIGHTS_NAME, is_adapter_config
+
+        config_file, weights_file = Path(folder, "config.json"), Path(folder, WEIGHTS_NAME)
+        if not (config_file.is_file() and weights_file.is_file()):
+            raise ValueError(f"init_adapter={folder!r} is not a diffusion adapter folder (config.json and "
+                             f"{WEIGHTS_NAME}, as train-diffusion writes under <output_dir>/diffusion_lm).")
+        published = json.loads(config_file.read_text())
+        if not is_adapter_config(published):
+            raise ValueError(f"init_adapter={folder!r} holds a {published.get('model_type')!r} model, not a diffusion "
+                             "adapter: point it at a train-diffusion artifact.")
+        ours = self.added_tensors()
+        lora = published.get("lora") or {}
+        expected = {
+            "base_config": (published.get("base_config"), base_config),
+            "finetune": (published.get("finetune"), self.finetune),
+            "mask_token_id": (published.get("diffusion", {}).get("mask_token_id"), self.mask_token_id),
+            "shift_logits": (published.get("diffusion", {}).get("shift_logits"), bool(self.shift)),
+        }
+        if self.finetune == "lora":
+            config = self.model.peft_config["default"]
+            expected.update(lora_rank=(lora.get("rank"), config.r), lora_alpha=(lora.get("alpha"), config.lora_alpha))
+        differ = {name: pair for name, pair in expected.items() if pair[0] != pair[1]}
+        saved = load_file(weights_file)
+        if not differ and set(saved) != set(ours):
+            differ["tensors"] = (sorted(set(saved) - set(ours))[:3], sorted(set(ours) - set(saved))[:3])
+        if differ:
+            raise ValueError(f"init_adapter={folder!r} does not fit this run (adapter, run): {differ}. Train with the "
+                             "settings it was trained with (see its config.json), or drop init_adapter.")
+        live = {name: p for name, p in self.named_parameters() if p.requires_grad}
+        for name, tensor in saved.items():
+            target = self.mask_embedding if name == MASK_EMBEDDING else live[_trainee_name(name, self.finetune)]
+            if target.shape != tensor.shape:
+                raise ValueError(f"init_adapter={folder!r}: {name} has shape {tuple(tensor.shape)}, this run's has "
+                                 f"{tuple(target.shape)}; the adapter was trained with other settings.")
+            target.copy_(tensor)
+        return int(published.get("trained_steps", 0))
+
+    @torch.no_grad()
     def merged(self) -> DiffusionLM:
         """The trained DiffusionLM with everything folded in (peft's own merge); this trainee is spent afterwards."""
         model = self.model.merge_and_unload() if self.finetune == "lora" else self.model
@@ -241,6 +288,14 @@ class DiffusionTrainee(nn.Module):
             self._hook.remove()
             model.model.embed_tokens.weight[self.mask_token_id] = self.mask_embedding
         return model.requires_grad_(False).eval()
+
+
+def _trainee_name(artifact_name: str, finetune: str) -> str:
+    """The trainee's parameter name for an artifact tensor name (`added_tensors` in reverse)."""
+    if finetune != "lora":
+        return f"model.{artifact_name}"
+    module, factor = artifact_name.rsplit(".lora_", 1)  # "model.layers.0.self_attn.q_proj", "A.weight"
+    return f"model.base_model.model.{module}.lora_{factor[0]}.default.weight"
 
 
 def batch_loss(trainee, batch, config: DiffusionTrainConfig, generator: torch.Generator, block_share: float,
@@ -317,6 +372,9 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
 
     # 2. What is trained; checkpoints keep only that (and the optimizer).
     trainee = DiffusionTrainee(model.to(accelerator.device), config)
+    earlier_steps = 0
+    if config.init_adapter:
+        earlier_steps = trainee.load_adapter(config.init_adapter, base_config=facts)
     trainable = [p for p in trainee.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
 
@@ -338,7 +396,7 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
         save_adapter(output_dir / "diffusion_lm", unwrapped.added_tensors(), base=base_name, base_config=facts,
                      diffusion={"mask_token_id": mask_id, "shift_logits": config.shift_logits, "block_causal": False},
                      finetune=config.finetune, lora=lora if config.finetune == "lora" else None, tokenizer=tokenizer,
-                     extra={"trained_steps": step})
+                     extra={"trained_steps": earlier_steps + step})
 
     def log(record):
         if accelerator.is_main_process:
@@ -358,8 +416,10 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
         for micro_step in range(config.gradient_accumulation_steps):
             with accelerator.accumulate(trainee):
                 # seeded by (step, micro-step, process): a resumed run draws exactly the batches and masks an
-                # uninterrupted one would, and each GPU draws its own
-                draw_seed = ((config.seed * 1_000_003 + step) * 1_009 + micro_step) * 101 + accelerator.process_index
+                # uninterrupted one would, and each GPU draws its own; a run continuing an init_adapter counts its
+                # steps on from the adapter's, so it draws new batches rather than the earlier run's again
+                draw_step = earlier_steps + step
+                draw_seed = ((config.seed * 1_000_003 + draw_step) * 1_009 + micro_step) * 101 + accelerator.process_index
                 order = random.Random(draw_seed)
                 rows = [sequences[order.randrange(len(sequences))] for _ in range(config.batch_size)]
                 generator = torch.Generator().manual_seed(draw_seed)
