@@ -132,6 +132,11 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
             config = dataclasses.replace(config, target=str(default_diffusion_lm_path()))
         model = AutoDiffusionLM.from_pretrained(config.target, dtype=dtype)
         tokenizer = load_tokenizer(config.target)
+    if tokenizer is None:
+        if config.target is None:
+            raise ValueError("A diffusion LM given in memory needs its tokenizer: pass tokenizer= (or config.target, "
+                             "a folder the tokenizer can be read from).")
+        tokenizer = load_tokenizer(config.target)
     model = model.to(config.device).eval()
     configs = _decoding_configs(config)
     if base_model is None:
@@ -150,6 +155,9 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
             raise ValueError("Spiffy methods need --draft-graph (a folder holding spiffy_graph.json).")
         graph = DraftGraph.from_pretrained(config.draft_graph or config.target)
     rows = _rows_not_used_for_calibration(config, graph)
+    if not rows:
+        raise ValueError(f"No prompts to measure (limit={config.limit}, datasets {list(config.datasets)}, the graph's "
+                         "calibration prompts left out): raise --limit or bench other datasets.")
     encoded = [
         (dataset, row, tokenizer.apply_chat_template(prompt_messages(dataset, row), add_generation_prompt=True,
                                                      return_tensors="pt", return_dict=True)["input_ids"].to(config.device))
@@ -232,8 +240,9 @@ def _rows_not_used_for_calibration(config, graph) -> list[tuple[str, dict]]:
     seen = set()
     calibration = graph.calibration if graph is not None else {}
     if config.prompts is None and {"datasets", "prompt_seed", "limit"} <= set(calibration):
-        used = load_rows(BenchConfig(datasets=calibration["datasets"], limit=calibration["limit"],
-                                     seed=calibration["prompt_seed"], data_dir=config.data_dir))
+        shared = [name for name in calibration["datasets"] if name in config.datasets]  # the others cannot overlap
+        used = load_rows(BenchConfig(datasets=shared, limit=calibration["limit"], seed=calibration["prompt_seed"],
+                                     data_dir=config.data_dir)) if shared else []
         seen = {json.dumps(row, sort_keys=True) for _, row in used}
     if not seen:
         return load_rows(config)

@@ -28,17 +28,27 @@ def _add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
 
 
 def _dataclass_from_args(cls, args: argparse.Namespace):
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _parse(parser: argparse.ArgumentParser, subparsers: dict, argv: list[str] | None) -> argparse.Namespace:
+    """Parse twice when a command was given `--config FILE`: the file's values become the command's defaults, so any
+    flag on the command line (`--x`, `--no-x`, `--x=v`, an abbreviation) wins over the file."""
+    args = parser.parse_args(argv)
     if getattr(args, "config", None):
-        with open(args.config) as file:
-            from_file = json.load(file)
+        try:
+            with open(args.config) as file:
+                from_file = json.load(file)
+        except (OSError, json.JSONDecodeError) as error:
+            raise SystemExit(f"--config {args.config}: cannot read it as JSON ({error}).") from error
+        if not isinstance(from_file, dict):
+            raise SystemExit(f"--config {args.config}: expected a JSON object of option names and values.")
         unknown = set(from_file) - set(vars(args))  # a command may fill several dataclasses from one file
         if unknown:
             raise SystemExit(f"{args.config}: unknown options {sorted(unknown)}")
-        # flags given on the command line win over the file
-        given = {a.lstrip("-").split("=")[0].replace("-", "_") for a in sys.argv if a.startswith("--")}
-        values.update({k: v for k, v in from_file.items() if k not in given and k in values})
-    return cls(**values)
+        subparsers[args.command].set_defaults(**from_file)
+        args = parser.parse_args(argv)
+    return args
 
 
 DEMO_PROMPT = (
@@ -135,6 +145,7 @@ def demo_diffusion(prompt: str, model_path: str | None, graph_path: str | None, 
         print(f"{name:<17} {nfe:>5} {speed:>9.1f}  {same}")
 
 
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the Hub model the embedded target is a GGUF of
 SPECULATOR_TITLE = "SmolLM2-135M-Instruct dFlash + xPress speculator (block 16)"
 DIFFUSION_TITLE = "SmolLM2-135M-Instruct masked diffusion LM (LoRA adapter) with its Spiffy graph"
 
@@ -158,10 +169,14 @@ def export_speculator(args) -> None:
     import torch
 
     from .bench import markdown_table
-    from .model_card import load_train_config, load_train_log, render_model_card, write_model_card
+    from .model_card import default_template, load_train_config, load_train_log, render_model_card, write_model_card
     from .speculator import AutoSpeculator
 
     run = Path(args.run)
+    train_config = load_train_config(run)
+    if args.earlier_training and not train_config.get("init_speculator"):
+        raise SystemExit(f"--earlier-training describes the run an init_speculator came from; {args.run} did not "
+                         "start from one: drop it.")
     speculator = AutoSpeculator.from_pretrained(run / "speculator").to(getattr(torch, args.dtype))
     log = load_train_log(run)
     last_eval = next((r for r in reversed(log) if any(k.startswith("tau_") for k in r)), {})
@@ -170,8 +185,9 @@ def export_speculator(args) -> None:
     if args.bench_json:
         measured = markdown_table(json.loads(Path(args.bench_json).read_text()))
     speculator.save_pretrained(args.output)
-    card = render_model_card(args.template or "model_cards/speculator.md", speculator, load_train_config(run), {
-        "title": args.title or SPECULATOR_TITLE, "base_model": args.base_model, "data_description": args.data_description,
+    card = render_model_card(args.template or default_template("speculator.md"), speculator, train_config, {
+        "title": args.title or SPECULATOR_TITLE, "base_model": args.base_model or train_config.get("target") or EMBEDDED_HUB_ID,
+        "data_description": args.data_description,
         "train_hardware": args.train_hardware, "train_steps": log[-1]["step"] if log else 0,
         "holdout_estimate": f"{estimate} (step {last_eval.get('step', '-')})", "measured": measured,
         "bench_command": args.bench_command, "limitations": args.limitations, "storage_dtype": args.dtype,
@@ -184,6 +200,7 @@ def export_speculator(args) -> None:
 def export_diffusion(args) -> None:
     """Copy a diffusion run's adapter artifact (tokenizer included), store its tensors in --dtype, keep a Spiffy graph
     already in --output (export again after calibrating to quote the bench), and write the model card."""
+    import hashlib
     import shutil
     from pathlib import Path
 
@@ -191,9 +208,13 @@ def export_diffusion(args) -> None:
     from safetensors.torch import load_file, save_file
 
     from .bench_diffusion import diffusion_markdown_table
-    from .diffusion.adapter_weights import WEIGHTS_NAME
-    from .model_card import load_train_config, load_train_log, render_diffusion_model_card, write_model_card
+    from .diffusion.adapter_weights import EMBEDDED_BASE, WEIGHTS_NAME
+    from .model_card import (default_template, load_train_config, load_train_log, render_diffusion_model_card,
+                             write_model_card)
     from .spiffy import GRAPH_FILE, DraftGraph
+
+    def digest(path: Path) -> str | None:
+        return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
     run, output = Path(args.run), Path(args.output)
     train_config = load_train_config(run)
@@ -207,15 +228,23 @@ def export_diffusion(args) -> None:
     for file in source.iterdir():
         if file.name != WEIGHTS_NAME and file.is_file():
             shutil.copy2(file, output / file.name)
+    before = digest(output / WEIGHTS_NAME)
     save_file(weights, output / WEIGHTS_NAME, metadata={"format": "pt"})
     log = load_train_log(run)
     graph = DraftGraph.from_pretrained(output) if (output / GRAPH_FILE).is_file() else None
+    # a graph kept from an export of other weights (another run, another dtype) was calibrated on another model
+    graph_stale = graph is not None and before is not None and before != digest(output / WEIGHTS_NAME)
+    if graph_stale:
+        print(f"warning: {output / GRAPH_FILE} was calibrated on the weights this export replaced; recalibrate it with "
+              f"`hf-specdiff calibrate --model {output} --output {output}`", file=sys.stderr)
+    base = published.get("base")
+    base_model = args.base_model or (EMBEDDED_HUB_ID if base in (None, EMBEDDED_BASE) else base)
     measured = "Not benchmarked yet."
     if args.bench_json:
         measured = diffusion_markdown_table(json.loads(Path(args.bench_json).read_text()))
-    card = render_diffusion_model_card(args.template or "model_cards/diffusion_lm.md", published, weights,
+    card = render_diffusion_model_card(args.template or default_template("diffusion_lm.md"), published, weights,
                                        train_config, log, graph, {
-        "title": args.title or DIFFUSION_TITLE, "base_model": args.base_model,
+        "title": args.title or DIFFUSION_TITLE, "base_model": base_model, "graph_stale": graph_stale,
         "data_description": args.data_description, "train_hardware": args.train_hardware, "measured": measured,
         "bench_command": args.bench_command, "limitations": args.limitations, "storage_dtype": args.dtype,
         "earlier_training": args.earlier_training,
@@ -255,6 +284,8 @@ def calibrate(args) -> None:
     decoding = _dataclass_from_args(DiffusionGenerationConfig, args)
     if not options.model:
         raise SystemExit("--model is required: a diffusion LM folder or Hub id.")
+    if not isinstance(getattr(torch, options.dtype, None), torch.dtype):
+        raise SystemExit(f"--dtype {options.dtype!r} is not a torch dtype: use float32, bfloat16 or float16.")
     model = AutoDiffusionLM.from_pretrained(options.model, dtype=getattr(torch, options.dtype), device=options.device)
     tokenizer = load_tokenizer(options.tokenizer or options.model)
     chats = load_prompts(BenchConfig(datasets=options.datasets, limit=options.limit, seed=options.prompt_seed,
@@ -269,7 +300,8 @@ def calibrate(args) -> None:
     print(f"{len(graph)} nodes calibrated on {len(prompts)} prompts: {path}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as `main` reads it (a `--config` file's values under the flags given)."""
     parser = argparse.ArgumentParser(prog="hf-specdiff", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -314,12 +346,13 @@ def main(argv: list[str] | None = None) -> int:
     export_parser.add_argument("--run", required=True, help="training output_dir (holds speculator/ or diffusion_lm/, "
                                "and log.jsonl)")
     export_parser.add_argument("--output", required=True)
-    export_parser.add_argument("--dtype", default="bfloat16")
+    export_parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     export_parser.add_argument("--bench-json", help="a `hf-specdiff bench --json` result to quote in the card")
     export_parser.add_argument("--bench-command", default="hf-specdiff bench")
     export_parser.add_argument("--template", default=None,
                                help="default: model_cards/speculator.md or model_cards/diffusion_lm.md")
-    export_parser.add_argument("--base-model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    export_parser.add_argument("--base-model", default=None, help="the card's base_model (default: the target or "
+                               f"base the run names; {EMBEDDED_HUB_ID} for the embedded one)")
     export_parser.add_argument("--title", default=None, help=f"default: {SPECULATOR_TITLE!r} or {DIFFUSION_TITLE!r}")
     export_parser.add_argument("--data-description", default="SmolLM2-135M-Instruct's greedy answers to 4,500 GSM8K "
                                "train questions and 4,500 ShareGPT first turns, `shared/data/distill`")
@@ -336,17 +369,21 @@ def main(argv: list[str] | None = None) -> int:
     _add_dataclass_arguments(calibrate_parser, CalibrateConfig)
     _add_dataclass_arguments(calibrate_parser, DiffusionGenerationConfig)
 
-    args = parser.parse_args(argv)
+    return _parse(parser, commands.choices, argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.command == "calibrate":
         calibrate(args)
     elif args.command == "export":
         export(args)
     elif args.command == "distill":
-        from .distill import distill
+        from .distill import DistillConfig, distill
 
         print(f"answers in {distill(_dataclass_from_args(DistillConfig, args))}")
     elif args.command == "bench":
-        from .bench import bench, result_table, write_outputs
+        from .bench import BenchConfig, bench, result_table, write_outputs
 
         config = _dataclass_from_args(BenchConfig, args)
         result = bench(config)
@@ -358,13 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "demo":
         demo(args.prompt, args.max_new_tokens, args.speculator, args.device)
     elif args.command == "train":
-        from .training import train
+        from .training import TrainConfig, train
 
         config = _dataclass_from_args(TrainConfig, args)
         train(config)
         print(f"speculator written to {config.output_dir}/speculator")
     elif args.command == "train-diffusion":
-        from .diffusion.training import train_diffusion
+        from .diffusion.training import DiffusionTrainConfig, train_diffusion
 
         config = _dataclass_from_args(DiffusionTrainConfig, args)
         train_diffusion(config)

@@ -69,7 +69,16 @@ def render_diffusion_model_card(template: str | Path, adapter_config: dict, weig
     if "mask_embedding" in weights:
         adapter += ", and the trained [MASK] input embedding row"
     diffusion = adapter_config["diffusion"]
-    evaluations = [r for r in log if "eval_accuracy" in r]
+    # step counts from the artifact: a log may run past the last save (a run killed in between), and a resumed run
+    # logs the steps after its checkpoint twice
+    run_steps = log[-1]["step"] if log else 0
+    earlier_steps = adapter_config.get("continued_from_steps")
+    if "trained_steps" in adapter_config:
+        if earlier_steps is None:  # written before continued_from_steps existed
+            earlier_steps = adapter_config["trained_steps"] - run_steps if train_config.get("init_adapter") else 0
+        run_steps = adapter_config["trained_steps"] - earlier_steps
+    evaluations = {r["step"]: r for r in log if "eval_accuracy" in r and r["step"] <= run_steps}
+    evaluations = [evaluations[step] for step in sorted(evaluations)]
 
     def accuracy(record: dict) -> str:
         return f"{record['eval_accuracy']:.1%} (step {record['step']}, held-out loss {record['eval_loss']:.2f})"
@@ -80,9 +89,12 @@ def render_diffusion_model_card(template: str | Path, adapter_config: dict, weig
         calibration = graph.calibration
         graph_text = (f"its Spiffy draft graph: {len(graph)} nodes, calibrated on the model's own decoding of "
                       f"{calibration.get('prompts', '?')} prompts ({', '.join(calibration.get('datasets', []))})")
+        if facts.get("graph_stale"):
+            graph_text = (f"a Spiffy draft graph of {len(graph)} nodes calibrated on earlier weights of this folder, "
+                          "not these: recalibrate it with `hf-specdiff calibrate` (Spiffy stays lossless with it, but "
+                          "saves fewer forwards)")
     continued = train_config.get("init_adapter")
     if continued:
-        earlier_steps = adapter_config.get("trained_steps", 0) - (log[-1]["step"] if log else 0)
         earlier = f": {facts['earlier_training']}" if facts.get("earlier_training") else ""
         initialisation = (f"Training continued the adapter in `{continued}`, trained for {earlier_steps} steps before"
                           f"{earlier}. ")
@@ -102,7 +114,7 @@ def render_diffusion_model_card(template: str | Path, adapter_config: dict, weig
         "batch_size": train_config["batch_size"] * train_config.get("gradient_accumulation_steps", 1),
         "max_seq_len": train_config["max_seq_len"],
         "learning_rate": train_config["learning_rate"],
-        "train_steps": log[-1]["step"] if log else 0,
+        "train_steps": run_steps,
         "holdout_start": f"{accuracy(evaluations[0])} {start_label}" if evaluations else "not measured",
         "holdout_end": accuracy(evaluations[-1]) if evaluations else "not measured",
         **facts,
@@ -115,10 +127,25 @@ def write_model_card(folder: str | Path, text: str) -> None:
 
 
 def load_train_config(run_dir: str | Path) -> dict:
-    return json.loads(Path(run_dir, "train_config.json").read_text())
+    path = Path(run_dir, "train_config.json")
+    if not path.is_file():
+        raise SystemExit(f"{run_dir} has no train_config.json: pass the output_dir of a training run.")
+    return json.loads(path.read_text())
+
+
+def default_template(name: str) -> Path:
+    """model_cards/<name> of the hf_specdiff repository (the templates live beside the package, not in it)."""
+    path = Path(__file__).resolve().parents[1] / "model_cards" / name
+    if not path.is_file():
+        raise SystemExit(f"No model card template at {path}: this hf_specdiff was installed without its repository's "
+                         f"model_cards/; pass --template (e.g. a clone's model_cards/{name}).")
+    return path
 
 
 def load_train_log(run_dir: str | Path) -> list[dict]:
-    """The run's log.jsonl records, in order."""
-    lines = Path(run_dir, "log.jsonl").read_text().splitlines()
+    """The run's log records, in order: its train_config's `log_file`, else <run_dir>/log.jsonl."""
+    log_file = load_train_config(run_dir).get("log_file") or Path(run_dir, "log.jsonl")
+    if not Path(log_file).is_file():
+        raise SystemExit(f"{run_dir}: no training log at {log_file}; pass the output_dir of a training run.")
+    lines = Path(log_file).read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]

@@ -131,7 +131,7 @@ def test_speculator_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("continued", [False, True])
-def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued):
+def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsys):
     """`hf-specdiff export`: the run's speculator in the asked dtype, reloadable, with a card rendered from the run's
     config and log (every placeholder filled), which says where a continued run started."""
     from hf_specdiff.cli import main
@@ -144,8 +144,12 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued):
     (run / "train_config.json").write_text(json.dumps(config.to_dict()))
     (run / "log.jsonl").write_text(json.dumps({"step": 7, "loss": 1.0, "tau_dflash": 1.5, "tau_xpress": 1.75}) + "\n")
     template = Path(__file__).parents[1] / "model_cards" / "speculator.md"
-    main(["export", "--run", str(run), "--output", str(output), "--dtype", "bfloat16", "--template", str(template),
-          "--earlier-training", "614 steps from the target's last layer"])
+    export = ["export", "--run", str(run), "--output", str(output), "--dtype", "bfloat16", "--template", str(template)]
+    earlier = ["--earlier-training", "614 steps from the target's last layer"]
+    if not continued:  # nothing to describe: refused rather than ignored
+        with pytest.raises(SystemExit, match="did not start from one: drop it"):
+            main(export + earlier)
+    main(export + (earlier if continued else []))
 
     loaded = AutoSpeculator.from_pretrained(output)
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
@@ -155,6 +159,13 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued):
         assert "continued from the speculator in `shipped/earlier`: 614 steps from the target's last layer." in card
     else:
         assert "Draft layer initialised from the target's layer -1." in card
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card  # the embedded target's Hub id
+    with pytest.raises(SystemExit):
+        main(export[:-2] + ["--dtype", "bf16"])
+    assert "invalid choice: 'bf16'" in capsys.readouterr().err
+    (run / "train_config.json").unlink()
+    with pytest.raises(SystemExit, match="no train_config.json"):
+        main(export)
 
 def test_missing_weight_is_a_clear_error(tmp_path):
     _, tensors = write_zlab_checkpoint(tmp_path)

@@ -4,6 +4,7 @@ random model; and the accuracy scorers."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -102,3 +103,26 @@ def test_ar_base_needs_a_base(tmp_path):
 
     with pytest.raises(ValueError, match="pass --base"):
         run_diffusion_bench(BenchConfig(target=str(tmp_path / "dlm"), methods=["steps", "ar_base"]))
+
+
+def test_bad_diffusion_bench_inputs_are_clear_errors(tmp_path):
+    """A model given in memory without its tokenizer, or nothing left to measure, fails with what to do; a graph
+    calibrated on a dataset the bench does not measure does not need that dataset's file."""
+    require_bench_data()
+    from hf_specdiff.bench import find_data_dir
+    from hf_specdiff.bench_diffusion import run_diffusion_bench
+    from hf_specdiff.diffusion import AutoDiffusionLM
+
+    small_dlm_with_smollm_tokenizer(tmp_path / "dlm")
+    model = AutoDiffusionLM.from_pretrained(tmp_path / "dlm")
+    with pytest.raises(ValueError, match="needs its tokenizer: pass tokenizer="):
+        run_diffusion_bench(BenchConfig(methods=["steps"]), model=model)
+    with pytest.raises(ValueError, match="No prompts to measure"):
+        run_diffusion_bench(BenchConfig(target=str(tmp_path / "dlm"), methods=["steps"], limit=0))
+
+    data = tmp_path / "data"  # gsm8k only: the graph below was calibrated on math500 and mbpp
+    data.mkdir()
+    (data / "gsm8k").symlink_to((find_data_dir(None) / "gsm8k").resolve())
+    graph = SimpleNamespace(calibration={"datasets": ["math500", "mbpp"], "prompt_seed": 1, "limit": 2})
+    rows = _rows_not_used_for_calibration(BenchConfig(datasets=["gsm8k"], limit=3, data_dir=str(data)), graph)
+    assert [dataset for dataset, _ in rows] == ["gsm8k"] * 3

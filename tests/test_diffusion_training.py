@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from conftest import make_target
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from hf_specdiff.diffusion import AutoDiffusionLM, DiffusionGenerationConfig, DiffusionLM, diffusion_generate
 from hf_specdiff.diffusion.training import (
@@ -186,6 +187,9 @@ def test_artifact_holds_only_the_add_on_and_loads_to_the_same_logits(setup):
                        AutoDiffusionLM.from_pretrained(artifact, base=str(folder / "base"))):
             assert isinstance(loaded, DiffusionLM) and loaded.shift_logits and loaded.mask_token_id == MASK
             torch.testing.assert_close(loaded(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    # dtype None keeps the base's dtype (the merge itself runs in float32)
+    bf16_base = AutoModelForCausalLM.from_pretrained(folder / "base", dtype=torch.bfloat16)
+    assert AutoDiffusionLM.from_pretrained(artifact, base=bf16_base).dtype == torch.bfloat16
     # the trained [MASK] row is in use, and diffusion decoding runs on the loaded model
     untrained = make_target(dtype=torch.float32, eos_token_id=EOS).model.embed_tokens.weight[MASK]
     assert not torch.equal(loaded.model.embed_tokens.weight[MASK], untrained)
@@ -274,11 +278,16 @@ def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_pat
     graph = calibrate(loaded, [torch.tensor([[10, 11, 12, 13]]), torch.tensor([[20, 21, 22]])], decoding,
                       num_nodes=8, progress=False, description={"datasets": ["math500", "mbpp"]})
     graph.save_pretrained(output)
-    main(export + ["--dtype", "float32"])
+    main(export)  # the same weights again: the graph is theirs
     assert DraftGraph.from_pretrained(output).nodes == graph.nodes
     card = (output / "README.md").read_text()
     assert f"Spiffy draft graph: {len(graph)} nodes" in card and "2 prompts (math500, mbpp)" in card
+    main(export + ["--dtype", "float32"])  # other weights: the graph is kept, and the card says it is stale
     assert {t.dtype for t in load_file(output / "adapter_model.safetensors").values()} == {torch.float32}
+    assert DraftGraph.from_pretrained(output).nodes == graph.nodes
+    card = (output / "README.md").read_text()
+    assert f"{len(graph)} nodes calibrated on earlier weights of this folder, not these: recalibrate" in card
+    assert "base_model: " + str((folder / "base").resolve()) in card  # the base the run names
     with pytest.raises(SystemExit, match="did not start from one: drop it"):
         main(export + ["--earlier-training", "614 steps"])
     with pytest.raises(SystemExit, match="neither speculator/ nor diffusion_lm/"):
@@ -315,6 +324,17 @@ def test_init_adapter_continues_a_finished_run_and_the_card_says_so(setup, tmp_p
     with pytest.raises(ValueError, match="not a diffusion adapter folder"):
         train_diffusion(dataclasses.replace(continued, output_dir=str(tmp_path / "r5"), init_adapter=str(tmp_path)),
                         progress=False)
+    # continuing into the folder it came from would overwrite it; resuming the continued run with another (or no)
+    # init_adapter would mislabel its steps
+    with pytest.raises(ValueError, match="lies inside output_dir"):
+        train_diffusion(dataclasses.replace(continued, output_dir=str(folder / "run")), progress=False)
+    with pytest.raises(ValueError, match="other settings.*init_adapter"):
+        train_diffusion(dataclasses.replace(continued, init_adapter=None, max_steps=4), progress=False)
+    # other held-out rows than the earlier run's: trained rows may be held out now, and the user is told
+    shutil.copytree(tmp_path / "run2" / "diffusion_lm", tmp_path / "earlier2")
+    with pytest.warns(UserWarning, match="other held-out rows"):
+        train_diffusion(dataclasses.replace(continued, output_dir=str(tmp_path / "r6"), init_adapter=str(
+            tmp_path / "earlier2"), eval_sequences=4, max_steps=1), progress=False)
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-diffusion-gpu.json", "smollm2-135m-diffusion-cpu.json"])

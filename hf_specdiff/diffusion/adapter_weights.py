@@ -6,7 +6,9 @@
                                  "base": "embedded:SmolLM2-135M-Instruct" | a local folder | a Hub id | null,
                                  "base_config": {vocab_size, hidden_size, ...}  (checked against the base at load),
                                  "diffusion": {mask_token_id, shift_logits, block_causal}  (DiffusionLMConfig fields),
-                                 "finetune": "lora" | "full", "lora": {rank, alpha, target_modules} (lora only)}
+                                 "finetune": "lora" | "full", "lora": {rank, alpha, target_modules} (lora only),
+                                 "trained_steps": N (all runs), "continued_from_steps": N (steps before this run,
+                                 from `init_adapter`), "holdout_fingerprint": the held-out rows' hash}
     adapter_model.safetensors   "<module>.lora_A.weight" (r, in) and "<module>.lora_B.weight" (out, r) per adapted
                                 Linear ("full": the trained weights themselves, under their DiffusionLM names), and
                                 "mask_embedding" (hidden,) when the [MASK] row was trained
@@ -106,7 +108,7 @@ def save_adapter(folder: str | os.PathLike, tensors: dict[str, torch.Tensor], *,
 def load_adapter_model(where: str, published: dict, dtype=None, device=None, base=None,
                        hub_kwargs: dict | None = None) -> DiffusionLM:
     """A `DiffusionLM`: the base named in `published` (or `base`: a folder, Hub id or loaded causal LM, which wins)
-    converted with `from_causal_lm`, with the adapter merged in. `dtype` None: the base's dtype."""
+    converted with `from_causal_lm`, with the adapter merged in (in float32). `dtype` None: the base's dtype."""
     from transformers.utils import cached_file
 
     # 1. The folder's config: version, diffusion fields, LoRA scale.
@@ -137,6 +139,7 @@ def load_adapter_model(where: str, published: dict, dtype=None, device=None, bas
         raise ValueError(f"{where} was trained on a different base model than {base!r}: (trained on, given) "
                          f"{differ}. Pass base= the causal LM it was trained on.")
     model = DiffusionLM.from_causal_lm(causal, **diffusion)
+    base_dtype = model.dtype
     if model.dtype in (torch.float16, torch.bfloat16):
         model = model.float()  # merge in float32, cast afterwards
 
@@ -149,7 +152,7 @@ def load_adapter_model(where: str, published: dict, dtype=None, device=None, bas
     merge_adapter(model, weights, scale, where)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    return model.to(dtype=dtype or model.dtype, device=device).eval()
+    return model.to(dtype=dtype or base_dtype, device=device).eval()
 
 
 @torch.no_grad()

@@ -40,10 +40,12 @@ run's adapter in a new run (a new schedule, e.g. after a time budget cut the fir
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,7 +62,7 @@ SMOLLM2_MASK_TOKEN_ID = 16  # <empty_output>: a reserved special token that neve
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # fields that shape the trained parameters: a checkpoint only resumes under the same values
 _SHAPING_FIELDS = ("base", "finetune", "lora_rank", "lora_alpha", "lora_target_modules", "train_mask_embedding",
-                   "mask_token_id", "shift_logits")
+                   "mask_token_id", "shift_logits", "init_adapter")
 
 
 @dataclass
@@ -238,9 +240,11 @@ class DiffusionTrainee(nn.Module):
         return {name: t.detach() for name, t in tensors.items()}
 
     @torch.no_grad()
-    def load_adapter(self, folder: str, base_config: dict) -> int:
+    def load_adapter(self, folder: str, base_name: str | None, base_config: dict, holdout_fingerprint: str) -> int:
         """Start from a saved adapter (`init_adapter`): its tensors replace the fresh ones, after checking that it was
-        trained on this base with this shape. Returns the steps it was trained for."""
+        trained on this base with this shape. Returns the steps it was trained for. A run whose held-out rows differ
+        from the earlier run's (other data, seed, eval_sequences or max_seq_len) is warned: rows the adapter was
+        trained on may now be held out, and its held-out figures read too high."""
         from safetensors.torch import load_file
 
         from .adapter_weights import WEIGHTS_NAME, is_adapter_config
@@ -255,7 +259,9 @@ class DiffusionTrainee(nn.Module):
                              "adapter: point it at a train-diffusion artifact.")
         ours = self.added_tensors()
         lora = published.get("lora") or {}
+        names = (published.get("base"), base_name)
         expected = {
+            "base": names if None not in names else (None, None),  # a base without a name: its facts still count
             "base_config": (published.get("base_config"), base_config),
             "finetune": (published.get("finetune"), self.finetune),
             "mask_token_id": (published.get("diffusion", {}).get("mask_token_id"), self.mask_token_id),
@@ -278,6 +284,11 @@ class DiffusionTrainee(nn.Module):
                 raise ValueError(f"init_adapter={folder!r}: {name} has shape {tuple(tensor.shape)}, this run's has "
                                  f"{tuple(target.shape)}; the adapter was trained with other settings.")
             target.copy_(tensor)
+        earlier_fingerprint = published.get("holdout_fingerprint")
+        if earlier_fingerprint is not None and earlier_fingerprint != holdout_fingerprint:
+            warnings.warn(f"init_adapter={folder!r} was trained with other held-out rows than this run holds out (other "
+                          "data, seed, eval_sequences or max_seq_len): rows it learned may now be held out, so the "
+                          "held-out loss and accuracy read too good. Keep those settings to compare runs.", stacklevel=3)
         return int(published.get("trained_steps", 0))
 
     @torch.no_grad()
@@ -369,12 +380,16 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
     holdout, sequences = sequences[: config.eval_sequences], sequences[config.eval_sequences :]
     holdout_batches = [collate_answers(holdout[i : i + config.batch_size], pad_id, eos_id)
                        for i in range(0, len(holdout), config.batch_size)]
+    holdout_fingerprint = hashlib.sha256(json.dumps([row["ids"] for row in holdout]).encode()).hexdigest()[:16]
 
     # 2. What is trained; checkpoints keep only that (and the optimizer).
     trainee = DiffusionTrainee(model.to(accelerator.device), config)
     earlier_steps = 0
     if config.init_adapter:
-        earlier_steps = trainee.load_adapter(config.init_adapter, base_config=facts)
+        if output_dir.resolve() in Path(config.init_adapter).resolve().parents:
+            raise ValueError(f"init_adapter={config.init_adapter!r} lies inside output_dir={config.output_dir!r}, "
+                             "where this run writes its own adapter: give the new run a new output_dir.")
+        earlier_steps = trainee.load_adapter(config.init_adapter, base_name, facts, holdout_fingerprint)
     trainable = [p for p in trainee.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
 
@@ -396,7 +411,8 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
         save_adapter(output_dir / "diffusion_lm", unwrapped.added_tensors(), base=base_name, base_config=facts,
                      diffusion={"mask_token_id": mask_id, "shift_logits": config.shift_logits, "block_causal": False},
                      finetune=config.finetune, lora=lora if config.finetune == "lora" else None, tokenizer=tokenizer,
-                     extra={"trained_steps": earlier_steps + step})
+                     extra={"trained_steps": earlier_steps + step, "continued_from_steps": earlier_steps,
+                            "holdout_fingerprint": holdout_fingerprint})
 
     def log(record):
         if accelerator.is_main_process:

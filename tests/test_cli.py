@@ -1,0 +1,51 @@
+"""The command line reads a `--config` file as defaults: every flag given on the command line wins over it, whatever
+its spelling, and a bad file fails with a message that says what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_specdiff.cli import parse_args
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "calibrate.json"
+    path.write_text(json.dumps({"limit": 7, "stop_at_eos": True, "datasets": ["gsm8k"], "block_length": 16}))
+    return path
+
+
+def test_config_file_fills_what_the_command_line_leaves_out(config_file):
+    args = parse_args(["calibrate", "--config", str(config_file)])
+    assert (args.limit, args.stop_at_eos, args.datasets, args.block_length) == (7, True, ["gsm8k"], 16)
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--limit", "3"], {"limit": 3}),
+    (["--limit=3"], {"limit": 3}),
+    (["--no-stop-at-eos"], {"stop_at_eos": False}),
+    (["--datasets", "math500", "mbpp"], {"datasets": ["math500", "mbpp"]}),
+    (["--block-len", "8"], {"block_length": 8}),  # an abbreviation argparse accepts
+    (["--limit", "7"], {"limit": 7}),  # given on purpose with the file's own value
+])
+def test_flags_win_over_the_config_file(config_file, flags, expected):
+    args = parse_args(["calibrate", "--config", str(config_file), *flags])
+    assert {name: getattr(args, name) for name in expected} == expected
+    untouched = {"limit": 7, "stop_at_eos": True, "datasets": ["gsm8k"], "block_length": 16}
+    assert all(getattr(args, name) == value for name, value in untouched.items() if name not in expected)
+
+
+def test_bad_config_files_are_refused(tmp_path):
+    (tmp_path / "unknown.json").write_text(json.dumps({"limt": 3}))
+    with pytest.raises(SystemExit, match=r"unknown options \['limt'\]"):
+        parse_args(["calibrate", "--config", str(tmp_path / "unknown.json")])
+    (tmp_path / "broken.json").write_text("{limit: 3")
+    with pytest.raises(SystemExit, match="cannot read it as JSON"):
+        parse_args(["bench", "--config", str(tmp_path / "broken.json")])
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="expected a JSON object"):
+        parse_args(["train", "--config", str(tmp_path / "list.json")])
+    with pytest.raises(SystemExit, match="cannot read it as JSON"):
+        parse_args(["train", "--config", str(tmp_path / "missing.json")])
