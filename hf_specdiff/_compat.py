@@ -127,7 +127,8 @@ def compile_config(model, generation_config):
 
 
 def static_cache_length(model, generation_config) -> int:
-    """The length `generate` sizes a static cache to for this call: at least `max_length` and `max_cache_len`, and
-    never less than an earlier call on this model used (so that compiled forwards keep their shapes)."""
-    return max(generation_config.max_length, generation_config.max_cache_len or 0,
+    """The length `generate` sizes a static cache to for this call, by its own rule: `max_length - 1` (the last token
+    is never fed), at least `max_cache_len`, and never less than an earlier call on this model used (recorded by
+    `generate` before the loop runs), so that a later, shorter call keeps the compiled forwards' shapes."""
+    return max(generation_config.max_length - 1, generation_config.max_cache_len or 0,
                getattr(model, "_previous_max_cache_length", 0))

@@ -130,6 +130,12 @@ class RowBatch:
                 kept[i] = max(emitted[i] - (generated - limit), 0)
                 self.lengths[i] = self.prompt_width + limit
                 self.finished[row] = self.tokens[i, : self.lengths[i]]
+        end = None if self.pad_after_stop else self._end(0)
+        if end is not None and self.all_finished:
+            # without EOS padding plain decoding ends every row where the last one stopped; a row that reached
+            # max_new_tokens before that step was known ran on past it
+            for row, sequence in self.finished.items():
+                self.finished[row] = sequence[: self.prompt_width + end]
         return kept
 
     def _end(self, row: int) -> int | None:
@@ -202,8 +208,11 @@ class RowBatch:
 
     def compact_if_sparse(self, caches) -> bool:
         """When more than `COMPACT_WHEN_WASTED` of the slots are holes no row needs, gather each row's slots to the
-        right, in order, in every cache (all must hold the same `slots` slots; otherwise wait for the next step)."""
-        if self.cache_mask is None:
+        right, in order, in every cache (all must hold the same `slots` slots; otherwise wait for the next step).
+        A batch of one is never compacted: its only holes are its prompt's padding, which never grow; they stay, so
+        the cache handed back lines up with the sequence as plain `generate`'s does, and a static cache keeps its
+        size."""
+        if self.cache_mask is None or self.batch_size == 1:
             return False
         width = max(self.valid)
         if self.slots - width <= COMPACT_WHEN_WASTED * self.slots:

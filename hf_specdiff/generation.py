@@ -168,8 +168,8 @@ def speculative_decoding(
     Caches (see `batching.py`): every verify forward's K/V stay in the target cache; slots past the longest accepted
     run are cropped, the other rows' rejected slots are masked out by a 2D attention mask, with per-row position ids.
     The drafter's cache mirrors the target's slot for slot. Both are compacted (each row's slots gathered, left-padded)
-    when holes fill more than half of them, and finished rows are dropped from the batch. A single row never has holes:
-    no mask, an exact crop, as in plain speculative decoding.
+    when holes fill more than half of them, and finished rows are dropped from the batch. A single row has no holes
+    but its prompt's padding: an exact crop, as in plain speculative decoding (and no mask without padding).
     """
     _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, logits_processor, streamer)
     do_sample = generation_config.do_sample
@@ -189,6 +189,8 @@ def speculative_decoding(
     else:
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         cache = DynamicCache() if cache is None else cache
+        if hasattr(cache, "activate_past_recording"):  # sliding-window layers: keep what a roll-back needs, as
+            cache.activate_past_recording()  # transformers' assisted decoding does (older versions keep it anyway)
     compiled = static and _compat.forward_compiled(model, generation_config, cache)
     verify_forward = model.get_compiled_call(generation_config.compile_config) if compiled else model
     drafter = BlockDiffusionCandidateGenerator(
@@ -303,6 +305,23 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
     for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "assistant_ensemble_weight"):
         if getattr(generation_config, name, None):
             raise ValueError(f"speculation=... replaces transformers' assisted decoding; remove `{name}`.")
+    # decoding modes the loop would silently replace by greedy / sampling, and processors that keep state per call
+    # (the loop calls the processors once per draft position, rejected drafts included, so that state would drift)
+    unsupported_options = {
+        "penalty_alpha": "contrastive search",
+        "dola_layers": "DoLa decoding",
+        "guidance_scale": "classifier-free guidance (its processor keeps per-call state)",
+        "watermarking_config": "watermarking (its processor keeps per-call state)",
+        "token_healing": "token healing",
+        "prefill_chunk_size": "chunked prefill",
+    }
+    for name, what in unsupported_options.items():
+        value = getattr(generation_config, name, None)
+        if value is None or value is False or (name == "guidance_scale" and value == 1):
+            continue
+        if name == "penalty_alpha" and not (value > 0 and (generation_config.top_k or 0) > 1):
+            continue  # contrastive search runs only with both
+        raise ValueError(f"speculation=... does not support {what}; remove `{name}` (plain generate supports it).")
     if generation_config.use_cache is False:
         raise ValueError("speculation=... needs the KV cache; remove use_cache=False.")
     if generation_config.cache_implementation not in (None, "dynamic", "static"):

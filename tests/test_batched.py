@@ -184,6 +184,14 @@ def test_stop_strings_per_row(eos_token_id):
                             stop_strings=["mno"], tokenizer=tokenizer)
     texts = tokenizer.batch_decode(out.sequences[:, left_pad(prompts)[0].shape[1] :])
     assert [t.find("mno") for t in texts] == [0, 4, 10, -1, -1]
+    if eos_token_id is None:
+        # rows accepting at different paces: the row that stops first reaches max_new_tokens before the last row's
+        # stop is known, and must still end where plain decoding ends every row
+        target = hf_specdiff.enable(make_successor_target(eos_token_id=None))
+        speculator = make_speculator(target, block_size=8, oracle=True, num_jacobi_passes=8)
+        prompts = [torch.tensor(p) for p in ([6, 40, 5, 20], [60], [6, 53, 49, 3, 2])]
+        assert_rows_exact(target, speculator, "xpress", prompts, check_row_stats=False, max_new_tokens=27,
+                          stop_strings=["m"], tokenizer=tokenizer)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -274,6 +282,17 @@ def test_batch_of_one_is_unchanged():
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(prompt)], dim=1)
     again = speculate(target, speculator, "xpress", padded, mask, do_sample=False, max_new_tokens=30)
     assert torch.equal(again.sequences[:, 3:], out.sequences)
+    # more padding than prompt (a short row taken out of a batch), dynamic and static: plain generate's tokens, and
+    # a cache that holds every slot but the last, padding included, as plain generate's does
+    padded = torch.cat([torch.zeros(1, 9, dtype=torch.long), prompt[:, :2]], dim=1)
+    mask = (padded != 0).long()
+    plain = target.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    for cache_implementation in (None, "static"):
+        again = speculate(target, speculator, "xpress", padded, mask, do_sample=False, max_new_tokens=30,
+                          cache_implementation=cache_implementation)
+        assert torch.equal(again.sequences, plain), cache_implementation
+        cache = getattr(again, _compat.generate_output_cache_field())
+        assert int(cache.get_seq_length()) == plain.shape[1] - 1, cache_implementation
 
 
 # -- sampling ------------------------------------------------------------------------------------------------------

@@ -47,11 +47,24 @@ def generate(target, speculator, **kwargs):
         (dict(num_draft_tokens=8), "offers 1 to 7 drafts"),
         (dict(prompt_lookup_num_tokens=3), "remove `prompt_lookup_num_tokens`"),
         (dict(synced_gpus=True), "synced_gpus"),
+        (dict(penalty_alpha=0.6, top_k=4), "contrastive search; remove `penalty_alpha`"),
+        (dict(dola_layers="high"), "DoLa decoding"),
+        (dict(guidance_scale=1.5), "classifier-free guidance"),
+        (dict(watermarking_config={"bias": 2.5}), "watermarking"),
+        (dict(token_healing=True), "token healing"),
+        (dict(prefill_chunk_size=4), "chunked prefill"),
     ],
 )
 def test_unsupported_generate_arguments(target, speculator, kwargs, message):
     with pytest.raises(ValueError, match=message):
         generate(target, speculator, **kwargs)
+
+
+def test_harmless_values_of_refused_options_pass(target, speculator):
+    """guidance_scale=1 is no guidance, and penalty_alpha without top_k > 1 is not contrastive search."""
+    plain = target.generate(PROMPT, max_new_tokens=5, do_sample=False)
+    for kwargs in (dict(guidance_scale=1.0), dict(penalty_alpha=0.6, top_k=1)):
+        assert torch.equal(generate(target, speculator, do_sample=False, **kwargs), plain), kwargs
 
 
 def test_static_cache_limits(target, speculator):

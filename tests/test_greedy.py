@@ -45,6 +45,22 @@ def test_greedy_equals_plain_random_drafts(method):
         assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=5 + 7 * (i % 6))
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_sliding_window_target_past_its_window(method):
+    """A Mistral-style target whose sliding window (8) the prompt and output outgrow: the cache's sliding layers must
+    keep what each roll-back needs."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8, bos_token_id=0,
+                           pad_token_id=0, tie_word_embeddings=False)
+    target = hf_specdiff.enable(MistralForCausalLM(config).double().eval())
+    speculator = make_speculator(target)
+    for i, prompt in prompts(count=6, seed=1):
+        assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=12 + 5 * i)
+
+
 @pytest.mark.parametrize("method", ["xpress", "markov"])
 def test_greedy_equals_plain_when_drafts_are_accepted(method):
     """Oracle add-ons on a successor target: long accepted runs, partial blocks, bonus tokens, cache roll-back."""

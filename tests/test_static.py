@@ -126,6 +126,11 @@ def test_compiled_static_decoding_is_lossless_and_compiles_once():
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = run(target, speculator, "xpress", prompt, max_new_tokens=20, **compile_kwargs)
     assert torch.equal(compiled.sequences, target.generate(prompt, do_sample=False, max_new_tokens=20))
+    # a call past that size sizes a larger cache (one recompile); a shorter call after it keeps the larger size
+    run(target, speculator, "xpress", prompt, max_new_tokens=90, **compile_kwargs)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = run(target, speculator, "xpress", prompt, max_new_tokens=30, **compile_kwargs)
+    assert torch.equal(compiled.sequences, target.generate(prompt, do_sample=False, max_new_tokens=30))
 
 
 def test_static_cache_without_compilation_on_the_cpu():
@@ -140,3 +145,10 @@ def test_static_cache_without_compilation_on_the_cpu():
         out = run(target, speculator, "xpress", prompt, max_new_tokens=8, cache_implementation="static", **extra)
         assert torch.equal(out.sequences, target.generate(prompt, do_sample=False, max_new_tokens=8))
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames_before
+    # sized by transformers' own rule: a shorter call after a longer one keeps the longer size (compiled forwards
+    # keep their shapes), and so does a call just as long
+    sizes = []
+    for max_new_tokens in (40, 12, 40):
+        out = run(target, speculator, "xpress", prompt, max_new_tokens=max_new_tokens, cache_implementation="static")
+        sizes.append(getattr(out, _compat.generate_output_cache_field()).get_max_length())
+    assert sizes[0] == sizes[1] == sizes[2], sizes
