@@ -67,14 +67,14 @@ def cache_kwargs(model, cache) -> dict:
 
 
 def crop_cache(cache, num_tokens_to_remove: int) -> None:
-    """Drop the last `num_tokens_to_remove` positions of a transformers cache (no-op for 0)."""
+    """Drop the last `num_tokens_to_remove` positions of a transformers cache. Called after every forward, with 0 too:
+    sliding-window layers recording their past (`activate_past_recording`) are cut back to their window only by a
+    crop (transformers < 5.24 would otherwise hand the next forward more keys than its mask covers)."""
     if num_tokens_to_remove < 0:
         raise ValueError(f"cannot remove a negative number of tokens ({num_tokens_to_remove}).")
-    if not num_tokens_to_remove:
-        return
     if isinstance(cache, StaticCache):
         for layer in cache.layers:
-            if layer.is_initialized:  # the next `update` overwrites the slots past the new length
+            if layer.is_initialized and num_tokens_to_remove:  # the next `update` overwrites the slots past it
                 layer.cumulative_length.sub_(num_tokens_to_remove)
         return
     cache.crop(-num_tokens_to_remove)

@@ -192,6 +192,7 @@ class RowBatch:
                     self.cache_mask = None
             kept = None if kept is None else [kept[i] for i in remaining]
         if kept is None:
+            _compat.crop_cache(cache, 0)  # nothing to drop; sliding-window layers go back to their window
             return outputs
 
         num_kept = max(kept)
