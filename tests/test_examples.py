@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,14 @@ def test_gpu_script_runs_end_to_end_at_smoke_size(tmp_path, stage):
         assert "ar_base" in json.loads((out / "bench.json").read_text())["runs"]
         shipped = out / "diffusion_lm"
         assert (shipped / "spiffy_graph.json").is_file() and "| spiffy |" in (shipped / "README.md").read_text()
+
+
+def test_linear_cost_prints_one_row_per_layout():
+    script = NOTEBOOK.parent / "linear_cost.py"
+    out = subprocess.run([sys.executable, str(script), "--rows", "1", "2", "--repeats", "1", "--threads", "1"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0].startswith("ms per call, float32, 1 threads") and out[1].split() == ["M=1", "M=2"]
+    rows = {line[:32].strip(): [float(v) for v in line[32:].split()] for line in out[2:]}
+    assert set(rows) == {"projection F.linear", "read-out F.linear", "read-out x @ W^T (W^T stored)",
+                         "read-out (W @ x^T)^T"}
+    assert all(len(values) == 2 and min(values) > 0 for values in rows.values())
