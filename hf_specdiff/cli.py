@@ -163,12 +163,23 @@ def export(args) -> None:
                          "`hf-specdiff train` or `hf-specdiff train-diffusion`.")
 
 
+def _card_license(args, base_model: str) -> str:
+    """A trained speculator or adapter is a derivative of its base model, so its card carries the base's licence."""
+    if args.license:
+        return args.license
+    if base_model == EMBEDDED_HUB_ID:
+        return "apache-2.0"
+    raise SystemExit(f"--license is required: the card carries the licence of the base model {base_model!r}, which "
+                     "is not the embedded SmolLM2. Give its Hub licence id (apache-2.0, mit, llama3.1, ..., or other).")
+
+
 def export_speculator(args) -> None:
     from pathlib import Path
 
     import torch
 
     from .bench import markdown_table
+    from .embedded import is_embedded_folder
     from .model_card import default_template, load_train_config, load_train_log, render_model_card, write_model_card
     from .speculator import AutoSpeculator
 
@@ -177,6 +188,9 @@ def export_speculator(args) -> None:
     if args.earlier_training and not train_config.get("init_speculator"):
         raise SystemExit(f"--earlier-training describes the run an init_speculator came from; {args.run} did not "
                          "start from one: drop it.")
+    target = train_config.get("target")
+    base_model = args.base_model or (EMBEDDED_HUB_ID if target is None or is_embedded_folder(target) else target)
+    card_license = _card_license(args, base_model)
     speculator = AutoSpeculator.from_pretrained(run / "speculator").to(getattr(torch, args.dtype))
     log = load_train_log(run)
     last_eval = next((r for r in reversed(log) if any(k.startswith("tau_") for k in r)), {})
@@ -186,7 +200,7 @@ def export_speculator(args) -> None:
         measured = markdown_table(json.loads(Path(args.bench_json).read_text()))
     speculator.save_pretrained(args.output)
     card = render_model_card(args.template or default_template("speculator.md"), speculator, train_config, {
-        "title": args.title or SPECULATOR_TITLE, "base_model": args.base_model or train_config.get("target") or EMBEDDED_HUB_ID,
+        "title": args.title or SPECULATOR_TITLE, "base_model": base_model, "license": card_license,
         "data_description": args.data_description,
         "train_hardware": args.train_hardware, "train_steps": log[-1]["step"] if log else 0,
         "holdout_estimate": f"{estimate} (step {last_eval.get('step', '-')})", "measured": measured,
@@ -223,6 +237,9 @@ def export_diffusion(args) -> None:
                          "from one: drop it.")
     source = run / "diffusion_lm"
     published = json.loads((source / "config.json").read_text())
+    base = published.get("base")
+    base_model = args.base_model or (EMBEDDED_HUB_ID if base in (None, EMBEDDED_BASE) else base)
+    card_license = _card_license(args, base_model)
     weights = {name: t.to(getattr(torch, args.dtype)).contiguous() for name, t in load_file(source / WEIGHTS_NAME).items()}
     output.mkdir(parents=True, exist_ok=True)
     for file in source.iterdir():
@@ -237,14 +254,12 @@ def export_diffusion(args) -> None:
     if graph_stale:
         print(f"warning: {output / GRAPH_FILE} was calibrated on the weights this export replaced; recalibrate it with "
               f"`hf-specdiff calibrate --model {output} --output {output}`", file=sys.stderr)
-    base = published.get("base")
-    base_model = args.base_model or (EMBEDDED_HUB_ID if base in (None, EMBEDDED_BASE) else base)
     measured = "Not benchmarked yet."
     if args.bench_json:
         measured = diffusion_markdown_table(json.loads(Path(args.bench_json).read_text()))
     card = render_diffusion_model_card(args.template or default_template("diffusion_lm.md"), published, weights,
                                        train_config, log, graph, {
-        "title": args.title or DIFFUSION_TITLE, "base_model": base_model, "graph_stale": graph_stale,
+        "title": args.title or DIFFUSION_TITLE, "base_model": base_model, "license": card_license, "graph_stale": graph_stale,
         "data_description": args.data_description, "train_hardware": args.train_hardware, "measured": measured,
         "bench_command": args.bench_command, "limitations": args.limitations, "storage_dtype": args.dtype,
         "earlier_training": args.earlier_training,
@@ -354,8 +369,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     export_parser.add_argument("--base-model", default=None, help="the card's base_model (default: the target or "
                                f"base the run names; {EMBEDDED_HUB_ID} for the embedded one)")
     export_parser.add_argument("--title", default=None, help=f"default: {SPECULATOR_TITLE!r} or {DIFFUSION_TITLE!r}")
+    export_parser.add_argument("--license", default=None, help="the card's licence, a Hub licence id (default: "
+                               f"apache-2.0, {EMBEDDED_HUB_ID}'s, for the embedded base; required for another base)")
     export_parser.add_argument("--data-description", default="SmolLM2-135M-Instruct's greedy answers to 4,500 GSM8K "
-                               "train questions and 4,500 ShareGPT first turns, `shared/data/distill`")
+                               "train questions (MIT) and 4,500 ShareGPT first turns (user-shared, no licence "
+                               "declared), `shared/data/distill`")
     export_parser.add_argument("--train-hardware", default="a 2-core CPU")
     export_parser.add_argument("--limitations", default="")
     export_parser.add_argument("--earlier-training", default="",

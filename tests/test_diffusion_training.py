@@ -258,6 +258,10 @@ def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_pat
     output = tmp_path / "shipped"
     template = Path(__file__).parents[1] / "model_cards" / "diffusion_lm.md"
     export = ["export", "--run", str(folder / "run"), "--output", str(output), "--template", str(template)]
+    with pytest.raises(SystemExit, match="--license is required"):  # a base of the user's: its licence is theirs
+        main(export)
+    assert not output.exists()  # refused before anything was written
+    export += ["--license", "mit"]
     main(export)  # default dtype: bfloat16
     tensors = load_file(output / "adapter_model.safetensors")
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
@@ -267,6 +271,7 @@ def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_pat
     assert (f"{first['eval_accuracy']:.1%} (step 0, held-out loss {first['eval_loss']:.2f}) before training, "
             f"{last['eval_accuracy']:.1%} (step 30, held-out loss {last['eval_loss']:.2f}) at the end") in card
     assert "missing: calibrate one with `hf-specdiff calibrate`" in card
+    assert "license: mit" in card and "- lora\n---" in card
 
     loaded = AutoDiffusionLM.from_pretrained(output)
     ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(3))
@@ -313,7 +318,7 @@ def test_init_adapter_continues_a_finished_run_and_the_card_says_so(setup, tmp_p
 
     template = Path(__file__).parents[1] / "model_cards" / "diffusion_lm.md"
     main(["export", "--run", str(tmp_path / "run2"), "--output", str(tmp_path / "shipped"), "--template",
-          str(template), "--earlier-training", "30 tiny steps"])
+          str(template), "--earlier-training", "30 tiny steps", "--license", "other"])
     card = (tmp_path / "shipped" / "README.md").read_text()
     assert f"Training continued the adapter in `{earlier}`, trained for 30 steps before: 30 tiny steps. 3 steps" in card
     assert (f"{log[0]['eval_accuracy']:.1%} (step 0, held-out loss {log[0]['eval_loss']:.2f}) at the start of this run "
@@ -460,3 +465,24 @@ def test_three_real_steps_on_the_embedded_smollm2(tmp_path):
                                            return_tensors="pt", return_dict=True)["input_ids"]
     out = diffusion_generate(loaded, prompt, config=DiffusionGenerationConfig(max_new_tokens=8, block_length=8))
     assert out.sequences.shape == (1, prompt.shape[1] + 8)
+
+
+def test_the_artifact_names_its_base_portably(tmp_path, monkeypatch):
+    """The embedded model's cache folder, given as a path or loaded from it, is named `embedded:...` (a path on this
+    machine would not load anywhere else); another local folder by its absolute path; a Hub id as given."""
+    from hf_specdiff.diffusion.adapter_weights import EMBEDDED_BASE
+    from hf_specdiff.diffusion.training import _base_name
+
+    monkeypatch.setenv("HF_SPECDIFF_CACHE", str(tmp_path / "cache"))
+    embedded = tmp_path / "cache" / "SmolLM2-135M-Instruct"
+    embedded.mkdir(parents=True)
+    (tmp_path / "mine").mkdir()
+    monkeypatch.chdir(tmp_path)
+    loaded = make_target()
+    loaded.name_or_path = str(embedded)
+    assert _base_name(DiffusionTrainConfig(base=None), None) == EMBEDDED_BASE
+    assert _base_name(DiffusionTrainConfig(base=str(embedded)), None) == EMBEDDED_BASE
+    assert _base_name(DiffusionTrainConfig(base="cache/SmolLM2-135M-Instruct"), None) == EMBEDDED_BASE
+    assert _base_name(DiffusionTrainConfig(base=None), loaded) == EMBEDDED_BASE
+    assert _base_name(DiffusionTrainConfig(base="mine"), None) == str(tmp_path / "mine")
+    assert _base_name(DiffusionTrainConfig(base="my-org/my-llama"), None) == "my-org/my-llama"

@@ -498,16 +498,15 @@ def _check_config(config: DiffusionTrainConfig) -> None:
 def _base_name(config: DiffusionTrainConfig, base) -> str | None:
     """How the artifact names its base: `config.base` (a local folder made absolute), the embedded model, or the
     loaded model's `name_or_path`; None when a model given in memory has no name (loading then needs base=)."""
-    from ..embedded import DEFAULT_TARGET_NAME, default_cache_dir
+    from ..embedded import is_embedded_folder
 
     name = config.base
     if name is None and base is None:
         return EMBEDDED_BASE
     if name is None:
         name = getattr(base, "name_or_path", "") or None
-        embedded = default_cache_dir() / DEFAULT_TARGET_NAME
-        if name is not None and Path(name).resolve() == embedded.resolve():
-            return EMBEDDED_BASE
+    if is_embedded_folder(name):
+        return EMBEDDED_BASE
     if name is not None and Path(name).is_dir():
         return str(Path(name).resolve())
     return name
