@@ -46,6 +46,10 @@ def _parse(parser: argparse.ArgumentParser, subparsers: dict, argv: list[str] | 
         unknown = set(from_file) - set(vars(args))  # a command may fill several dataclasses from one file
         if unknown:
             raise SystemExit(f"{args.config}: unknown options {sorted(unknown)}")
+        lists = {action.dest for action in subparsers[args.command]._actions if action.nargs in ("*", "+")}
+        not_lists = sorted(name for name in lists & set(from_file) if not isinstance(from_file[name], (list, type(None))))
+        if not_lists:  # a string would be read one character at a time
+            raise SystemExit(f"{args.config}: {not_lists} must be JSON lists, e.g. \"data\": [\"answers.jsonl\"].")
         subparsers[args.command].set_defaults(**from_file)
         args = parser.parse_args(argv)
     return args

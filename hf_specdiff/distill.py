@@ -85,6 +85,24 @@ def collect_prompts(config: DistillConfig) -> list[tuple[str, str]]:
 
 
 @torch.no_grad()
+def answered_ids(output: Path) -> set:
+    """The prompt ids `output` already answers. A run killed while writing leaves a last line without its newline:
+    that line is removed (its prompt is answered again), so the next row does not get glued onto it."""
+    lines = output.read_text().splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()
+        output.write_text("".join(lines))
+    done = set()
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                done.add(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise ValueError(f"{output}:{number} is not a distill row ({error}): fix or delete that line, or write "
+                                 "to a new output file.") from error
+    return done
+
+
 def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool = True) -> Path:
     from tqdm.auto import tqdm
 
@@ -103,9 +121,7 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
     target = target.to(config.device).eval()
     output = Path(config.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    done = set()
-    if output.is_file():
-        done = {json.loads(line)["id"] for line in output.read_text().splitlines() if line.strip()}
+    done = answered_ids(output) if output.is_file() else set()
 
     todo = []
     for prompt_id, prompt in collect_prompts(config):

@@ -18,6 +18,7 @@ accumulation and several GPUs need no code change; checkpoints resume.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import random
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .markov import markov_decode
 from .speculator import AutoSpeculator, Speculator
@@ -40,13 +42,16 @@ class TrainConfig:
     data: list[str] = field(default_factory=list)  # JSONL files with prompt_ids and response_ids (distill output)
     output_dir: str = "runs/speculator"
     target: str | None = None  # a local folder or Hub id; None = the embedded SmolLM2-135M-Instruct
-    init_speculator: str | None = None  # continue from a saved speculator instead of a fresh one
-    block_size: int = 16  # B
-    num_draft_layers: int = 1
-    target_layer_ids: list[int] | None = None  # default: spread over the target's depth
-    mask_token_id: int | None = None  # default: last embedding row
-    refiner_rank: int = 256  # r of the xPress refiner and of the Markov head
-    init_from_target_layer: int | None = -1  # copy this target decoder layer into each draft layer (None: random)
+    # continue from a saved speculator instead of a fresh one; the shape options below then come from it (None), and
+    # one given that differs from it is refused
+    init_speculator: str | None = None
+    block_size: int | None = None  # B; a fresh speculator's default: 16
+    num_draft_layers: int | None = None  # a fresh speculator's default: 1
+    target_layer_ids: list[int] | None = None  # a fresh speculator's default: spread over the target's depth
+    mask_token_id: int | None = None  # a fresh speculator's default: the last embedding row
+    refiner_rank: int | None = None  # r of the xPress refiner and of the Markov head; a fresh speculator's default: 256
+    # copy this target decoder layer into each fresh draft layer (None: random); not for an init_speculator
+    init_from_target_layer: int | None = -1
     max_seq_len: int = 384  # sequences are cut to this many tokens
     anchors_per_sequence: int = 16
     batch_size: int = 4
@@ -67,10 +72,47 @@ class TrainConfig:
     # wall-clock budget of this call: after timing the pace, the run ends (schedule and all) where the budget reaches
     time_budget_minutes: float | None = None
     seed: int = 0
+    # which rows are held out (default: seed). A run continuing an init_speculator keeps the earlier run's held-out rows
+    # (comparable estimates, rows it never trained on) by repeating its seed here, and draws fresh batches with a new seed
+    holdout_seed: int | None = None
     log_file: str | None = None  # JSONL of step, losses and held-out tau; default <output_dir>/log.jsonl
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# the options that shape the trained parameters: a checkpoint only resumes under the same values
+_SHAPING_FIELDS = ("target", "init_speculator", "block_size", "num_draft_layers", "target_layer_ids", "mask_token_id",
+                   "refiner_rank")
+# a fresh speculator's shape where the config leaves it None
+_FRESH_SHAPE = {"block_size": 16, "num_draft_layers": 1, "refiner_rank": 256}
+
+
+def build_speculator(config: TrainConfig, target) -> tuple[Speculator, TrainConfig]:
+    """The speculator a run trains (fresh, or `init_speculator`), and the config with its shape filled in (what
+    train_config.json records and the losses read). An option that contradicts `init_speculator` is refused."""
+    if config.init_speculator is None:
+        shape = {name: default if getattr(config, name) is None else getattr(config, name)
+                 for name, default in _FRESH_SHAPE.items()}
+        speculator = AutoSpeculator.from_target(target, mask_token_id=config.mask_token_id,
+                                                target_layer_ids=config.target_layer_ids, seed=config.seed, **shape)
+        if config.init_from_target_layer is not None:
+            init_draft_layers_from_target(speculator, target, config.init_from_target_layer)
+    else:
+        if config.init_from_target_layer not in (None, -1):
+            raise ValueError(f"init_from_target_layer={config.init_from_target_layer} initialises fresh draft layers; "
+                             f"init_speculator={config.init_speculator!r} brings trained ones: drop one of the two.")
+        speculator = AutoSpeculator.from_pretrained(config.init_speculator)
+    drafter, heads = speculator.drafter.config, speculator.refiner or speculator.markov_head
+    shape = {"block_size": drafter.block_size, "num_draft_layers": drafter.num_hidden_layers,
+             "target_layer_ids": list(drafter.layer_ids), "mask_token_id": drafter.mask_token_id,
+             "refiner_rank": heads.config.rank if heads is not None else None}
+    given = {name: getattr(config, name) for name in shape if getattr(config, name) is not None}
+    differ = {name: (value, shape[name]) for name, value in given.items() if value != shape[name]}
+    if differ:
+        raise ValueError(f"{config.init_speculator} does not have the shape this run asks for (asked, its own): "
+                         f"{differ}. Leave these options out to continue it as it is, or train a fresh speculator.")
+    return speculator, dataclasses.replace(config, **shape)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -98,6 +140,9 @@ def load_sequences(paths: list[str], vocab_size: int, max_seq_len: int, min_answ
                         f"{path}:{number} is not a distill row with `prompt_ids` and `response_ids` ({error})."
                     ) from error
                 ids = (prompt + answer)[:max_seq_len]
+                if any(type(t) is not int for t in prompt + answer):  # 1.7 would be read as 1, "5" would crash later
+                    raise ValueError(f"{path}:{number}: `prompt_ids` and `response_ids` must be lists of integer token "
+                                     "ids.")
                 if any(not 0 <= t < vocab_size for t in ids):
                     raise ValueError(f"{path}:{number} has token ids outside the target's vocabulary ({vocab_size}).")
                 if len(ids) - len(prompt) >= min_answer_tokens:
@@ -164,12 +209,17 @@ def weighted_tv(logits, target_probs, labels, weights):
 # --------------------------------------------------------------------------------------------------------------
 
 
-class SpeculatorTrainer:
-    """Holds the frozen target and the trainable speculator; `losses(batch)` is one forward of everything."""
+class SpeculatorTrainer(nn.Module):
+    """The trainable speculator and the frozen target; `forward(batch)` (= `losses`) is one forward of everything.
+
+    A module whose forward runs the speculator, so that `accelerate.prepare` can wrap it: with several processes the
+    wrapper's forward is what makes backward average the gradients across them."""
 
     def __init__(self, target, speculator: Speculator, config: TrainConfig):
-        self.target = target.eval().requires_grad_(False)
+        super().__init__()
         self.speculator = speculator
+        # Not a submodule: the wrapper would broadcast its weights and checkpoints would copy them; it is not trained.
+        object.__setattr__(self, "target", target.eval().requires_grad_(False))
         self.config = config
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
@@ -246,6 +296,8 @@ class SpeculatorTrainer:
             total = total + c.ce_weight * losses["markov_ce"] + c.tv_weight * losses["markov_tv"]
         losses["loss"] = total
         return losses
+
+    forward = losses
 
     @torch.no_grad()
     def estimate_tau(self, ids, mask, answer_starts, generator, num_jacobi_passes: int | None = None) -> dict:
@@ -367,13 +419,22 @@ class StepPlan:
     def saves(self, step: int) -> bool:
         return step % self.save_every == 0 or step == self.last_step
 
-    def resume(self, accelerator, checkpoints: Path, **load_kwargs) -> int:
-        """Load the latest checkpoint under `checkpoints`, if any; returns the step it was saved at (0 if none)."""
+    def resume(self, accelerator, checkpoints: Path, holdout_fingerprint: str, **load_kwargs) -> int:
+        """Load the latest checkpoint under `checkpoints`, if any; returns the step it was saved at (0 if none).
+
+        `holdout_fingerprint` names the rows this run holds out; it is saved with each checkpoint, and a checkpoint
+        of a run that held out other rows (other seed, data, max_seq_len or held-out count) is refused: it may have
+        trained on this run's held-out rows, whose figures would then read too good."""
+        self.holdout_fingerprint = holdout_fingerprint
         latest = _latest_checkpoint(checkpoints)
         if latest is None:
             return 0
-        accelerator.load_state(str(latest), **load_kwargs)
         saved = json.loads((latest / self.FILE).read_text()) if (latest / self.FILE).is_file() else {}
+        if saved.get("holdout_fingerprint", holdout_fingerprint) != holdout_fingerprint:
+            raise ValueError(f"{latest} held out other rows than this run would (its seed, holdout seed, data, "
+                             "max_seq_len or held-out count differ): resume with the settings in its run's "
+                             "train_config.json, or use a new output_dir.")
+        accelerator.load_state(str(latest), **load_kwargs)
         if saved and saved["last_step"] < saved["max_steps"]:  # a run its budget cut: it keeps the cut
             self.last_step = min(self.max_steps, saved["last_step"])
         return int(latest.name.split("-")[-1])
@@ -385,10 +446,32 @@ class StepPlan:
         folder = checkpoints / f"checkpoint-{step}"
         accelerator.save_state(str(folder))
         if accelerator.is_main_process:
-            (folder / self.FILE).write_text(json.dumps({"last_step": self.last_step, "max_steps": self.max_steps}))
+            (folder / self.FILE).write_text(json.dumps({"last_step": self.last_step, "max_steps": self.max_steps,
+                                                        "holdout_fingerprint": self.holdout_fingerprint}))
         _prune_checkpoints(checkpoints, keep=2)
         if accelerator.is_main_process:
             save_artifact()
+
+
+def check_options(config, checks: dict[str, tuple[bool, str]]) -> None:
+    """Refuse a config before any work: `checks` maps an option to (whether its value is valid, what it must be);
+    the options every run has (batch size, steps, evaluation and save intervals, budget) are checked too."""
+    checks = {
+        "batch_size": (config.batch_size >= 1, ">= 1"),
+        "gradient_accumulation_steps": (config.gradient_accumulation_steps >= 1, ">= 1"),
+        "max_steps": (config.max_steps >= 1, ">= 1"),
+        "warmup_steps": (config.warmup_steps >= 0, ">= 0"),
+        "learning_rate": (config.learning_rate > 0, "> 0"),
+        "eval_every": (config.eval_every >= 1, ">= 1"),
+        "save_every": (config.save_every >= 1, ">= 1"),
+        "mixed_precision": (config.mixed_precision in ("no", "bf16", "fp16"), "'no', 'bf16' or 'fp16'"),
+        "time_budget_minutes": (config.time_budget_minutes is None or config.time_budget_minutes > 0,
+                                "positive, or None for no budget"),
+        **checks,
+    }
+    wrong = [f"{name}={getattr(config, name)!r} (must be {rule})" for name, (valid, rule) in checks.items() if not valid]
+    if wrong:
+        raise ValueError("Invalid training options: " + "; ".join(wrong) + ".")
 
 
 def start_run(config):
@@ -409,10 +492,56 @@ def start_run(config):
     return plan, accelerator
 
 
+def prepare(accelerator, plan: StepPlan, model: nn.Module, optimizer):
+    """accelerate's wrapping of the model and optimizer (both trainers), and the learning-rate schedule of `plan`.
+
+    The scheduler is left out of `prepare`, whose wrapper would step it once per process at each optimizer step (the
+    schedule would end `num_processes` times too soon); the loop steps it once per optimizer step, and it is registered
+    so that checkpoints hold it. Returns (scheduler, prepared model, prepared optimizer)."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.lr_factor)
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    return scheduler, prepared, optimizer
+
+
+def fingerprint(holdout: list[dict]) -> str:
+    """Which rows a run holds out, in 16 hex digits."""
+    return hashlib.sha256(json.dumps([row["ids"] for row in holdout]).encode()).hexdigest()[:16]
+
+
+def check_resumable(output_dir: Path, config, shaping_fields: tuple[str, ...]) -> None:
+    """Checkpoints in `output_dir` resume only under the settings that shaped their parameters."""
+    previous_file = output_dir / "train_config.json"
+    previous = json.loads(previous_file.read_text()) if previous_file.is_file() else {}
+    changed = {name: (previous[name], getattr(config, name)) for name in shaping_fields
+               if name in previous and previous[name] != getattr(config, name)}
+    if changed:
+        raise ValueError(f"{output_dir}/checkpoints were trained with other settings (before, now): {changed}. Use "
+                         "a new output_dir, or delete the checkpoints to start over.")
+
+
+def split_holdout(sequences: list, config: TrainConfig) -> tuple[list, list]:
+    """(held-out rows, training rows): a seeded shuffle, then the first `holdout_sequences` rows are kept out."""
+    if len(sequences) <= config.holdout_sequences:
+        raise ValueError(f"Only {len(sequences)} usable rows: need more than holdout_sequences={config.holdout_sequences}.")
+    sequences = list(sequences)
+    random.Random(config.seed if config.holdout_seed is None else config.holdout_seed).shuffle(sequences)
+    return sequences[: config.holdout_sequences], sequences[config.holdout_sequences :]
+
+
 def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = True) -> Speculator:
     """Train (or resume) a speculator for `target`; returns it and writes `output_dir/speculator` and checkpoints."""
     from tqdm.auto import tqdm
 
+    check_options(config, {
+        "block_size": (config.block_size is None or config.block_size >= 2, ">= 2 (an anchor and a draft)"),
+        "num_draft_layers": (config.num_draft_layers is None or config.num_draft_layers >= 1, ">= 1"),
+        "refiner_rank": (config.refiner_rank is None or config.refiner_rank >= 1, ">= 1"),
+        "anchors_per_sequence": (config.anchors_per_sequence >= 1, ">= 1"),
+        "max_seq_len": (config.max_seq_len >= 3, ">= 3 (a prompt token and two answer tokens)"),
+        "gamma": (config.gamma > 0, "> 0"),
+        "holdout_sequences": (config.holdout_sequences >= 1, ">= 1 (the acceptance estimate reads them)"),
+    })
     plan, accelerator = start_run(config)
     output_dir = Path(config.output_dir)
 
@@ -421,34 +550,20 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
         target = _load_target(config.target)
     vocab_size = target.get_input_embeddings().weight.shape[0]
     sequences = load_sequences(config.data, vocab_size, config.max_seq_len)
-    if len(sequences) <= config.holdout_sequences:
-        raise ValueError(f"Only {len(sequences)} usable rows: need more than holdout_sequences={config.holdout_sequences}.")
-    random.Random(config.seed).shuffle(sequences)
-    holdout, sequences = sequences[: config.holdout_sequences], sequences[config.holdout_sequences :]
-    if config.init_speculator:
-        speculator = AutoSpeculator.from_pretrained(config.init_speculator)
-    else:
-        speculator = AutoSpeculator.from_target(
-            target, block_size=config.block_size, num_draft_layers=config.num_draft_layers,
-            mask_token_id=config.mask_token_id, target_layer_ids=config.target_layer_ids,
-            refiner_rank=config.refiner_rank, seed=config.seed,
-        )
-        if config.init_from_target_layer is not None:
-            init_draft_layers_from_target(speculator, target, config.init_from_target_layer)
+    holdout, sequences = split_holdout(sequences, config)
+    speculator, config = build_speculator(config, target)
     speculator = speculator.to(device=accelerator.device, dtype=torch.float32)
     target = target.to(accelerator.device)
     speculator.check_compatible(target, placement=False)
     pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+    checkpoints = output_dir / "checkpoints"
+    if _latest_checkpoint(checkpoints) is not None:
+        check_resumable(output_dir, config, _SHAPING_FIELDS)
 
     trainer = SpeculatorTrainer(target, speculator, config)
     optimizer = torch.optim.AdamW(speculator.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.lr_factor)
-    speculator, optimizer, scheduler = accelerator.prepare(speculator, optimizer, scheduler)
-    trainer.speculator = accelerator.unwrap_model(speculator)
-
-    checkpoints = output_dir / "checkpoints"
-    step = plan.resume(accelerator, checkpoints)
+    scheduler, prepared, optimizer = prepare(accelerator, plan, trainer, optimizer)
+    step = plan.resume(accelerator, checkpoints, fingerprint(holdout))
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2))
     log_path = Path(config.log_file) if config.log_file else output_dir / "log.jsonl"
@@ -457,9 +572,9 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
     bar = tqdm(total=plan.last_step, initial=step, desc="train", disable=not progress or not accelerator.is_main_process)
     estimate = {}
     while step < plan.last_step:
-        speculator.train()
+        trainer.train()
         for micro_step in range(config.gradient_accumulation_steps):
-            with accelerator.accumulate(speculator):
+            with accelerator.accumulate(prepared):
                 # seeded by (step, micro-step, process): a resumed run draws exactly the batches and anchors an
                 # uninterrupted one would, and each GPU draws its own
                 draw_seed = ((config.seed * 1_000_003 + step) * 1_009 + micro_step) * 101 + accelerator.process_index
@@ -468,18 +583,19 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
                 ids, mask, starts = (t.to(accelerator.device) for t in collate(rows, pad_id))
                 generator = torch.Generator().manual_seed(draw_seed)
                 with accelerator.autocast():
-                    losses = trainer.losses(ids, mask, starts, generator)
+                    losses = prepared(ids, mask, starts, generator)
                 accelerator.backward(losses["loss"])
-                accelerator.clip_grad_norm_(speculator.parameters(), 1.0)
+                if accelerator.sync_gradients:  # clip the accumulated gradient, not each micro-batch's share
+                    accelerator.clip_grad_norm_(speculator.parameters(), 1.0)
                 optimizer.step()
-                scheduler.step()
                 optimizer.zero_grad()
+        scheduler.step()
         step += 1
         plan.after_step(step)
         bar.total = plan.last_step
         record = {"step": step, "lr": scheduler.get_last_lr()[0], **{k: float(v.detach()) for k, v in losses.items()}}
         if plan.evaluates(step):
-            speculator.eval()
+            trainer.eval()
             ids, mask, starts = (t.to(accelerator.device) for t in holdout_batch)
             estimate = trainer.estimate_tau(ids, mask, starts, torch.Generator().manual_seed(config.seed))
             record.update({f"tau_{k}": v for k, v in estimate.items()})
@@ -489,10 +605,9 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
         bar.set_postfix(loss=f"{record['loss']:.3f}", **{f"tau_{k}": f"{v:.2f}" for k, v in estimate.items()})
         bar.update(1)
         if plan.saves(step):
-            plan.save_checkpoint(accelerator, checkpoints, step,
-                                 lambda: accelerator.unwrap_model(speculator).save_pretrained(output_dir / "speculator"))
+            plan.save_checkpoint(accelerator, checkpoints, step, lambda: speculator.save_pretrained(output_dir / "speculator"))
     bar.close()
-    return accelerator.unwrap_model(speculator).eval()
+    return speculator.eval()
 
 
 def _load_target(path: str | None):

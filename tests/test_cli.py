@@ -49,3 +49,8 @@ def test_bad_config_files_are_refused(tmp_path):
         parse_args(["train", "--config", str(tmp_path / "list.json")])
     with pytest.raises(SystemExit, match="cannot read it as JSON"):
         parse_args(["train", "--config", str(tmp_path / "missing.json")])
+    (tmp_path / "string.json").write_text(json.dumps({"data": "answers.jsonl"}))  # would be read letter by letter
+    with pytest.raises(SystemExit, match=r"\['data'\] must be JSON lists"):
+        parse_args(["train", "--config", str(tmp_path / "string.json")])
+    (tmp_path / "lists.json").write_text(json.dumps({"data": ["a.jsonl"], "target_layer_ids": None}))
+    assert parse_args(["train", "--config", str(tmp_path / "lists.json")]).data == ["a.jsonl"]

@@ -60,3 +60,20 @@ def test_sharegpt_first_turns_survive_the_cut_off_file():
 
     rows = list(sharegpt_first_turns(3))
     assert len(rows) == 3 and all(i.startswith("sharegpt-") and text.strip() for i, text in rows)
+
+
+def test_a_row_cut_off_by_a_killed_run_is_answered_again(tmp_path):
+    """A run killed while writing leaves half a line: resuming drops it (that prompt is answered again) instead of
+    crashing or gluing the next row onto it; a broken row elsewhere is an error that names its line."""
+    from hf_specdiff.distill import answered_ids
+
+    output = tmp_path / "answers.jsonl"
+    rows = [json.dumps({"id": f"p{i}", "prompt_ids": [1], "response_ids": [2, 3]}) for i in range(3)]
+    output.write_text(rows[0] + "\n" + rows[1] + "\n" + rows[2][:25])
+    assert answered_ids(output) == {"p0", "p1"}
+    assert output.read_text() == rows[0] + "\n" + rows[1] + "\n"
+    output.write_text(rows[0] + "\n" + rows[1])  # complete JSON, but its newline was never written
+    assert answered_ids(output) == {"p0"} and output.read_text() == rows[0] + "\n"
+    output.write_text(rows[0] + "\n{not json\n" + rows[1] + "\n")
+    with pytest.raises(ValueError, match="answers.jsonl:2 is not a distill row"):
+        answered_ids(output)

@@ -82,6 +82,52 @@ def test_bad_inputs_fail_before_training(tmp_path, target):
     outside.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 999, 4]}) + "\n")
     with pytest.raises(ValueError, match="outside the target's vocabulary"):
         train(tiny_config(tmp_path, outside), target=target, progress=False)
+    fractional = tmp_path / "fractional.jsonl"
+    fractional.write_text(json.dumps({"prompt_ids": [1.7, 2.2], "response_ids": [3, 4, 5]}) + "\n")
+    with pytest.raises(ValueError, match="fractional.jsonl:1: .* integer token ids"):
+        train(tiny_config(tmp_path, fractional), target=target, progress=False)
+    data = write_distill(tmp_path / "distill.jsonl", target, rows=8)
+    for options, message in [(dict(holdout_sequences=0), r"holdout_sequences=0 \(must be >= 1"),
+                             (dict(eval_every=0, save_every=-1), "eval_every=0 .*save_every=-1"),
+                             (dict(block_size=1), "block_size=1"), (dict(mixed_precision="fp8"), "mixed_precision")]:
+        with pytest.raises(ValueError, match="Invalid training options: .*" + message):
+            train(tiny_config(tmp_path, data, **options), target=target, progress=False)
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_init_speculator_brings_its_shape_and_refuses_another(tmp_path, target):
+    """Continuing a speculator trains it at its own block size, rank and layers, and train_config.json records them;
+    asking for another shape, or for fresh draft layers on top, is refused before training."""
+    data = write_distill(tmp_path / "distill.jsonl", target, rows=12)
+    train(tiny_config(tmp_path, data, max_steps=2, save_every=2), target=target, progress=False)
+    earlier = str(tmp_path / "run" / "speculator")
+    fields = dict(block_size=None, num_draft_layers=None, refiner_rank=None, init_from_target_layer=None)
+    config = tiny_config(tmp_path, data, output_dir=str(tmp_path / "run2"), init_speculator=earlier, max_steps=2,
+                         **fields)
+    train(config, target=target, progress=False)
+    recorded = json.loads((tmp_path / "run2" / "train_config.json").read_text())
+    assert (recorded["block_size"], recorded["num_draft_layers"], recorded["refiner_rank"]) == (8, 1, 32)
+    for options, message in [(dict(block_size=4), r"asks for .*'block_size': \(4, 8\)"),
+                             (dict(refiner_rank=64), r"'refiner_rank': \(64, 32\)"),
+                             (dict(init_from_target_layer=0), "init_from_target_layer=0 initialises fresh")]:
+        with pytest.raises(ValueError, match=message):
+            train(dataclasses.replace(config, output_dir=str(tmp_path / "run3"), **options), target=target,
+                  progress=False)
+    assert not (tmp_path / "run3").exists()
+
+
+def test_resume_refuses_other_held_out_rows_or_shape(tmp_path, target):
+    """A checkpoint resumes only with the held-out rows and the shape it was trained with: another seed could hold out
+    rows it trained on (the estimate would read too good), another block size would not fit its weights."""
+    data = write_distill(tmp_path / "distill.jsonl", target, rows=12)
+    config = tiny_config(tmp_path, data, max_steps=2, save_every=2)
+    train(config, target=target, progress=False)
+    for options, message in [(dict(seed=5, max_steps=4), "held out other rows"),
+                             (dict(holdout_sequences=3, max_steps=4), "held out other rows"),
+                             (dict(block_size=4, max_steps=4), r"other settings .*'block_size': \(8, 4\)")]:
+        with pytest.raises(ValueError, match=message):
+            train(dataclasses.replace(config, **options), target=target, progress=False)
+    train(dataclasses.replace(config, seed=5, holdout_seed=0, max_steps=3), target=target, progress=False)
 
 
 def test_unsupported_target_fails_before_training(tmp_path, target):
@@ -139,8 +185,76 @@ def test_budgeted_run_ends_early_with_a_complete_artifact_and_resumes_to_its_cut
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").open()]
     assert [r["step"] for r in log] == list(range(1, 22)) and "tau_xpress" in log[-1]
     checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint-21"
-    assert json.loads((checkpoint / "step_plan.json").read_text()) == {"last_step": 21, "max_steps": 200}
+    plan = json.loads((checkpoint / "step_plan.json").read_text())
+    assert (plan["last_step"], plan["max_steps"], len(plan["holdout_fingerprint"])) == (21, 200, 16)
     AutoSpeculator.from_pretrained(tmp_path / "run" / "speculator")
     # resuming keeps the cut: nothing left to do
     train(tiny_config(tmp_path, data, max_steps=200, save_every=50), target=target, progress=False)
     assert len((tmp_path / "run" / "log.jsonl").read_text().splitlines()) == 21
+
+
+def test_holdout_seed_keeps_the_held_out_rows_of_an_earlier_run():
+    """A continued run with a new seed (fresh batches) and the earlier seed as holdout_seed holds out exactly the rows the
+    earlier run held out, none of which it trains on."""
+    from hf_specdiff.training import split_holdout
+
+    rows = list(range(200))
+    earlier, _ = split_holdout(rows, TrainConfig(seed=1, holdout_sequences=16))
+    kept, training = split_holdout(rows, TrainConfig(seed=2, holdout_seed=1, holdout_sequences=16))
+    other, _ = split_holdout(rows, TrainConfig(seed=2, holdout_sequences=16))
+    assert kept == earlier and other != earlier
+    assert sorted(kept + training) == rows and rows == list(range(200))  # a split, and the caller's list untouched
+    with pytest.raises(ValueError, match="need more than holdout_sequences=16"):
+        split_holdout(rows[:16], TrainConfig(holdout_sequences=16))
+
+
+def test_accumulated_gradients_are_clipped_once_per_optimizer_step(tmp_path, target, monkeypatch):
+    """With gradient accumulation the sum over micro-batches is clipped, not each micro-batch's share (which would
+    let the last one dominate, and with fp16 unscale twice)."""
+    from accelerate import Accelerator
+
+    calls = []
+    clip = Accelerator.clip_grad_norm_
+    monkeypatch.setattr(Accelerator, "clip_grad_norm_",
+                        lambda self, *a, **k: calls.append(self.sync_gradients) or clip(self, *a, **k))
+    data = write_distill(tmp_path / "distill.jsonl", target, rows=12)
+    train(tiny_config(tmp_path, data, max_steps=3, gradient_accumulation_steps=2), target=target, progress=False)
+    assert calls == [True, True, True]
+
+
+TWO_PROCESS_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+from conftest import make_successor_target
+from accelerate.state import PartialState
+from hf_specdiff.training import TrainConfig, train
+config = TrainConfig(**json.loads({config!r}))
+speculator = train(config, target=make_successor_target(dtype=torch.float32, seed=3), progress=False)
+checksum = sum(float(p.detach().double().sum()) for p in speculator.parameters())
+print(f"rank {{PartialState().process_index}} of {{PartialState().num_processes}}: {{checksum:.9f}}", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_train_one_speculator(tmp_path, target):
+    """`accelerate` with two CPU processes (gloo): both end with the same weights (their gradients were averaged) and
+    the learning rate follows the single-process schedule step by step (not num_processes times faster)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hf_specdiff.training import warmup_cosine
+
+    data = write_distill(tmp_path / "distill.jsonl", target, rows=12)
+    config = tiny_config(tmp_path, data, max_steps=3, warmup_steps=2, gradient_accumulation_steps=2)
+    script = tmp_path / "two_processes.py"
+    script.write_text(TWO_PROCESS_SCRIPT.format(tests=str(Path(__file__).parent), config=json.dumps(config.to_dict())))
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    checksums = {line.split(": ")[0]: line.split(": ")[1] for line in done.stdout.splitlines() if "of 2:" in line}
+    assert len(checksums) == 2 and len(set(checksums.values())) == 1, checksums
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "log.jsonl").open()]
+    assert lrs == pytest.approx([3e-3 * warmup_cosine(2, 3)(step) for step in (1, 2, 3)])

@@ -40,7 +40,6 @@ run's adapter in a new run (a new schedule, e.g. after a time budget cut the fir
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import random
@@ -53,7 +52,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..training import _latest_checkpoint, collate, load_sequences, start_run
+from ..training import (
+    _latest_checkpoint,
+    check_options,
+    check_resumable,
+    collate,
+    fingerprint,
+    load_sequences,
+    prepare,
+    start_run,
+)
 from .adapter_weights import EMBEDDED_BASE, MASK_EMBEDDING, base_facts, load_base, save_adapter
 from .decoding import DiffusionGenerationConfig
 from .modeling import DiffusionLM
@@ -380,7 +388,7 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
     holdout, sequences = sequences[: config.eval_sequences], sequences[config.eval_sequences :]
     holdout_batches = [collate_answers(holdout[i : i + config.batch_size], pad_id, eos_id)
                        for i in range(0, len(holdout), config.batch_size)]
-    holdout_fingerprint = hashlib.sha256(json.dumps([row["ids"] for row in holdout]).encode()).hexdigest()[:16]
+    holdout_fingerprint = fingerprint(holdout)
 
     # 2. What is trained; checkpoints keep only that (and the optimizer).
     trainee = DiffusionTrainee(model.to(accelerator.device), config)
@@ -393,14 +401,14 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
     trainable = [p for p in trainee.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.lr_factor)
-    trainee, optimizer, scheduler = accelerator.prepare(trainee, optimizer, scheduler)
+    scheduler, trainee, optimizer = prepare(accelerator, plan, trainee, optimizer)
     accelerator.register_save_state_pre_hook(_keep_trainable_only)
 
     checkpoints = output_dir / "checkpoints"
     if _latest_checkpoint(checkpoints) is not None:
-        _check_resumable(output_dir, config)
-    step = plan.resume(accelerator, checkpoints, strict=False)  # frozen weights are not in checkpoints
+        check_resumable(output_dir, config, _SHAPING_FIELDS)
+    # frozen weights are not in checkpoints
+    step = plan.resume(accelerator, checkpoints, holdout_fingerprint, strict=False)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2))
     log_path = Path(config.log_file) if config.log_file else output_dir / "log.jsonl"
@@ -446,9 +454,9 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(trainable, config.max_grad_norm)
                 optimizer.step()
-                scheduler.step()
                 optimizer.zero_grad()
             total_loss, total, correct = total_loss + float(loss.detach()), total + n, correct + right
+        scheduler.step()
         step += 1
         plan.after_step(step)
         bar.total = plan.last_step
@@ -472,24 +480,15 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
 
 
 def _check_config(config: DiffusionTrainConfig) -> None:
-    checks = {
+    check_options(config, {
         "finetune": (config.finetune in ("lora", "full"), "'lora' or 'full'"),
         "lora_rank": (config.lora_rank >= 1, ">= 1"),
         "lora_target_modules": (bool(config.lora_target_modules) or config.finetune == "full", "not empty"),
         "mask_eps": (0 < config.mask_eps < 1, "in (0, 1)"),
         "block_masking_share": (0 <= config.block_masking_share <= 1, "in [0, 1]"),
         "block_length": (config.block_length >= 1, ">= 1"),
-        "batch_size": (config.batch_size >= 1, ">= 1"),
-        "gradient_accumulation_steps": (config.gradient_accumulation_steps >= 1, ">= 1"),
-        "max_steps": (config.max_steps >= 1, ">= 1"),
         "eval_sequences": (config.eval_sequences >= 1, ">= 1"),
-        "eval_every": (config.eval_every >= 1, ">= 1"),
-        "save_every": (config.save_every >= 1, ">= 1"),
-        "mixed_precision": (config.mixed_precision in ("no", "bf16", "fp16"), "'no', 'bf16' or 'fp16'"),
-    }
-    for name, (ok, expected) in checks.items():
-        if not ok:
-            raise ValueError(f"DiffusionTrainConfig.{name}={getattr(config, name)!r} must be {expected}.")
+    })
     if config.finetune == "lora" and importlib.util.find_spec("peft") is None:
         raise ImportError("LoRA training needs peft: `pip install 'hf_specdiff[train]'` (or finetune='full'). Loading "
                           "the trained adapter does not.")
@@ -529,13 +528,3 @@ def _keep_trainable_only(models, weights, output_dir) -> None:
         trained = {name for name, p in model.named_parameters() if p.requires_grad}
         for name in [name for name in state if name not in trained]:
             del state[name]
-
-
-def _check_resumable(output_dir: Path, config: DiffusionTrainConfig) -> None:
-    previous_file = output_dir / "train_config.json"
-    previous = json.loads(previous_file.read_text()) if previous_file.is_file() else {}
-    changed = {name: (previous[name], getattr(config, name)) for name in _SHAPING_FIELDS
-               if name in previous and previous[name] != getattr(config, name)}
-    if changed:
-        raise ValueError(f"{output_dir}/checkpoints were trained with other settings (before, now): {changed}. Use "
-                         "a new output_dir, or delete the checkpoints to start over.")
