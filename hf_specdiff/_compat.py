@@ -48,13 +48,6 @@ def check_transformers_version() -> None:
         )
 
 
-def native_dflash_layer_ids(layer_ids: list[int]) -> list[int]:
-    """Layer ids to expose to transformers' native dFlash generator so it reads z-lab's `hidden_states[i + 1]`."""
-    if TRANSFORMERS_VERSION < Version("5.18.0"):
-        return [i + 1 for i in layer_ids]
-    return list(layer_ids)
-
-
 @functools.lru_cache(maxsize=None)
 def _cache_argument(forward) -> str:
     parameters = inspect.signature(forward).parameters

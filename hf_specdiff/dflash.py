@@ -27,9 +27,8 @@ from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
-
-from . import _compat
 
 
 @strict
@@ -52,8 +51,15 @@ class DFlashConfig(Qwen3Config):
     num_target_layers: int | None = None
 
     def __post_init__(self, **kwargs):
-        if self.dflash_config is None:
-            self.dflash_config = {}
+        self.dflash_config = dict(self.dflash_config or {})
+        # Some exporters write these two at the top level too; here they are read-only views of dflash_config.
+        for name in ("mask_token_id", "target_layer_ids"):
+            if name in kwargs:
+                value = kwargs.pop(name)
+                if self.dflash_config.setdefault(name, value) != value:
+                    raise ValueError(f"config.json gives {name}={value!r} at the top level and "
+                                     f"{self.dflash_config[name]!r} in dflash_config: the checkpoint contradicts "
+                                     "itself; fix one of the two.")
         if self.block_size < 2:
             raise ValueError(f"`block_size` must be at least 2 (an anchor and one draft slot), got {self.block_size}.")
         super().__post_init__(**kwargs)
@@ -73,8 +79,9 @@ class DFlashConfig(Qwen3Config):
 
     @property
     def target_layer_ids(self) -> list[int]:
-        """The layer ids in the form transformers' native `speculation_type="dflash"` reads them (version dependent)."""
-        return _compat.native_dflash_layer_ids(self.layer_ids)
+        """What transformers' native `speculation_type="dflash"` reads: the same ids (it asks the target for these
+        layers' outputs, z-lab's meaning, on 5.17 as on 5.24)."""
+        return self.layer_ids
 
 
 def spread_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -159,6 +166,18 @@ class DFlashDraftModel(PreTrainedModel):
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.post_init()
+
+    def _apply(self, fn, recurse=True):
+        # `.to(torch.bfloat16)` would round the RoPE frequencies too (`from_pretrained(dtype=...)` does not): the
+        # drafter was trained with float32 ones, and at positions in the thousands the rounded angles drift far.
+        super()._apply(fn, recurse)
+        rope = self.rotary_emb
+        if rope.inv_freq.dtype != torch.float32 and rope.inv_freq.device.type != "meta":
+            initialise = rope.compute_default_rope_parameters if rope.rope_type == "default" else \
+                ROPE_INIT_FUNCTIONS[rope.rope_type]
+            inv_freq = initialise(self.config)[0].to(rope.inv_freq.device)
+            rope.inv_freq, rope.original_inv_freq = inv_freq, inv_freq.clone()
+        return self
 
     @property
     def block_size(self) -> int:

@@ -409,6 +409,7 @@ def _speculative_generate(model, *args, speculation=None, assistant_model=None, 
                     f"speculation= one of {SPECULATION_METHODS} (or speculation_type='dflash' for transformers' "
                     "native dFlash path)."
                 )
+            assistant_model.check_compatible(model, "dflash")  # transformers would fail deep inside, if at all
             assistant_model = assistant_model.drafter  # transformers' native dFlash path drives the drafter alone
         return generate(model, *args, assistant_model=assistant_model, **kwargs)
 

@@ -102,6 +102,12 @@ class Speculator(nn.Module):
                 f"({target.get_input_embeddings().weight.shape[0]} rows)."
             )
         target_param = target.get_output_embeddings().weight
+        placements = {(p.device, p.dtype) for p in self.parameters()}
+        if placement and len(placements) > 1:  # e.g. a refiner loaded apart and not moved with the drafter
+            raise ValueError(
+                f"The speculator's parts are on different devices or dtypes {sorted(map(str, placements))}: move them "
+                f"together with speculator.to({str(target_param.device)!r}, {target_param.dtype})."
+            )
         if placement and self.device != target_param.device:
             raise ValueError(
                 f"The speculator is on {self.device} and the target on {target_param.device}: move it with "
@@ -127,8 +133,13 @@ class Speculator(nn.Module):
     # Saving and loading
     # ------------------------------------------------------------------------------------------------------------
 
-    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
-        """Write the drafter at the top level (z-lab layout) and each add-on in its own subfolder."""
+    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs) -> None:
+        """Write the drafter at the top level (z-lab layout) and each add-on in its own subfolder. `push_to_hub=True`
+        then uploads the folder as one commit (`repo_id`, default: the folder's name; `commit_message`, `private`,
+        `token`); the other keyword arguments go to each part's `save_pretrained` (`max_shard_size`, ...)."""
+        hub = {name: kwargs.pop(name) for name in ("repo_id", "commit_message", "private", "token") if name in kwargs}
+        if hub and not push_to_hub:
+            raise TypeError(f"{sorted(hub)} only apply with push_to_hub=True.")
         save_directory = Path(save_directory)
         self.drafter.save_pretrained(save_directory, **kwargs)
         components = []
@@ -142,17 +153,15 @@ class Speculator(nn.Module):
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "hf_specdiff_version": __version__,
                     "components": components}
         (save_directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        if push_to_hub:
+            _upload(save_directory, hub.pop("repo_id", save_directory.name), **hub)
 
     def push_to_hub(self, repo_id: str, commit_message: str = "Upload speculator", private: bool | None = None,
                     token: str | None = None, **kwargs) -> str:
         """Save to a temporary folder and upload it as one commit. Returns the commit URL."""
-        from huggingface_hub import HfApi
-
-        api = HfApi(token=token)
-        api.create_repo(repo_id, private=private, exist_ok=True)
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder)
-            return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message, **kwargs)
+            return _upload(Path(folder), repo_id, commit_message, private, token, **kwargs)
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, dtype=None, device=None, **hub_kwargs) -> "Speculator":
@@ -160,6 +169,10 @@ class Speculator(nn.Module):
         from transformers.utils import cached_file
 
         path_or_repo_id = str(path_or_repo_id)
+        # the add-ons live below the drafter's folder, so their subfolder extends the one asked for
+        subfolder = hub_kwargs.pop("subfolder", None) or ""
+        if subfolder:
+            hub_kwargs["subfolder"] = subfolder
         manifest = None
         manifest_file = cached_file(
             path_or_repo_id, MANIFEST, _raise_exceptions_for_missing_entries=False,
@@ -174,7 +187,7 @@ class Speculator(nn.Module):
                 f"No speculator at {path_or_repo_id!r}: it is not a local folder with a config.json, and the Hub "
                 f"repo could not be read (offline, it must already be in the local Hub cache). {error}"
             ) from error
-        config = json.loads(Path(config_file).read_text())
+        config = _read_json_object(config_file)
         if "DFlashDraftModel" not in (config.get("architectures") or []) or "dflash_config" not in config:
             raise ValueError(
                 f"{path_or_repo_id} is not a dFlash drafter checkpoint: its config.json needs architectures "
@@ -183,16 +196,35 @@ class Speculator(nn.Module):
         drafter = _load_strict(DFlashDraftModel, path_or_repo_id, dtype, **hub_kwargs)
         parts = {}
         for name in (manifest or {}).get("components", []):
-            parts[name] = _load_strict(_COMPONENTS[name], path_or_repo_id, dtype, subfolder=name, **hub_kwargs)
+            where = {**hub_kwargs, "subfolder": f"{subfolder}/{name}".lstrip("/")}
+            parts[name] = _load_strict(_COMPONENTS[name], path_or_repo_id, dtype, component=name, **where)
         speculator = cls(drafter, **parts)
         return speculator.to(device) if device is not None else speculator
 
 
-def _read_manifest(path: str) -> dict:
+def _upload(folder: Path, repo_id: str, commit_message: str = "Upload speculator", private: bool | None = None,
+            token: str | None = None, **kwargs) -> str:
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message, **kwargs)
+
+
+def _read_json_object(path: str) -> dict:
     try:
-        manifest = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error}); the speculator folder is corrupt.") from error
+        value = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}): the speculator folder is corrupt; download or save it "
+                         "again.") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a {type(value).__name__}, not a JSON object: the speculator folder is corrupt; "
+                         "download or save it again.")
+    return value
+
+
+def _read_manifest(path: str) -> dict:
+    manifest = _read_json_object(path)
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{path} is not an hf_specdiff speculator manifest (format={manifest.get('format')!r}).")
     if manifest.get("format_version") != FORMAT_VERSION:
@@ -206,15 +238,28 @@ def _read_manifest(path: str) -> dict:
     return manifest
 
 
-def _load_strict(model_class, path_or_repo_id: str, dtype, **kwargs):
-    """`from_pretrained` that refuses missing or unexpected weights instead of initialising them randomly."""
+def _load_strict(model_class, path_or_repo_id: str, dtype, component: str | None = None, **kwargs):
+    """`from_pretrained` that refuses missing or unexpected weights instead of initialising them randomly.
+    `component`: the add-on speculator.json lists, whose folder must then be complete."""
+    from transformers.utils import cached_file
+
+    if component is not None and cached_file(path_or_repo_id, "config.json", _raise_exceptions_for_missing_entries=False,
+                                             **kwargs) is None:
+        raise OSError(f"speculator.json in {path_or_repo_id} lists `{component}`, but {kwargs['subfolder']}/config.json "
+                      "is missing. Download or save the speculator again.")
     try:
         model, info = model_class.from_pretrained(path_or_repo_id, dtype=dtype, output_loading_info=True, **kwargs)
-    except OSError:
-        raise
+    except OSError as error:
+        if component is None:
+            raise
+        raise OSError(f"speculator.json in {path_or_repo_id} lists `{component}`, but {kwargs['subfolder']}/ is "
+                      f"missing or incomplete ({error}). Download or save the speculator again.") from error
     except Exception as error:  # a truncated or malformed safetensors file surfaces as various errors
         where = f"{path_or_repo_id}/{kwargs.get('subfolder', '')}".rstrip("/")
-        raise ValueError(f"Could not load the {model_class.__name__} weights from {where}: {error}") from error
+        reason = str(error)
+        if "ignore_mismatched_sizes" in reason:  # transformers' words for weights of other shapes than the config's
+            reason = "the weights' shapes differ from its config.json's; the artifact is corrupt or its config was edited"
+        raise ValueError(f"Could not load the {model_class.__name__} weights from {where}: {reason}") from error
     problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if problems:
         raise ValueError(

@@ -217,8 +217,91 @@ def test_missing_component_folder_is_a_clear_error(tmp_path):
     write_zlab_checkpoint(tmp_path)
     (tmp_path / "speculator.json").write_text(
         '{"format": "hf_specdiff.speculator", "format_version": 1, "components": ["refiner"]}')
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="lists `refiner`, but refiner/config.json is missing"):
         AutoSpeculator.from_pretrained(tmp_path)
+    make_speculator(make_target()).save_pretrained(tmp_path / "full")
+    (tmp_path / "full" / "refiner" / "model.safetensors").unlink()
+    with pytest.raises(OSError, match="lists `refiner`, but refiner/ is missing or incomplete"):
+        AutoSpeculator.from_pretrained(tmp_path / "full")
+
+
+@pytest.mark.parametrize("file,text,message", [
+    ("config.json", '{"architectures": ["DFlashDraftModel"], "hidden_si', "config.json is not valid JSON"),
+    ("config.json", "[]", "config.json holds a list, not a JSON object"),
+    ("speculator.json", "[]", "speculator.json holds a list, not a JSON object"),
+])
+def test_corrupt_json_is_a_clear_error(tmp_path, file, text, message):
+    make_speculator(make_target()).save_pretrained(tmp_path)
+    (tmp_path / file).write_text(text)
+    with pytest.raises(ValueError, match=f"{message}.*corrupt; download or save it again"):
+        AutoSpeculator.from_pretrained(tmp_path)
+
+
+def test_weights_of_another_shape_are_a_clear_error(tmp_path):
+    make_speculator(make_target()).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "refiner" / "config.json").read_text())
+    (tmp_path / "refiner" / "config.json").write_text(json.dumps({**config, "rank": config["rank"] + 1}))
+    with pytest.raises(ValueError, match="XPressRefiner weights from .*refiner: the weights' shapes differ from its "
+                       "config.json's"):
+        AutoSpeculator.from_pretrained(tmp_path)
+
+
+def test_a_speculator_in_a_subfolder_loads_with_its_add_ons(tmp_path):
+    speculator = make_speculator(make_target())
+    speculator.save_pretrained(tmp_path / "repo" / "speculators" / "b8")
+    loaded = AutoSpeculator.from_pretrained(tmp_path / "repo", subfolder="speculators/b8")
+    for name in ("drafter", "refiner", "markov_head"):
+        ours, theirs = getattr(speculator, name).state_dict(), getattr(loaded, name).state_dict()
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
+
+
+def test_save_pretrained_pushes_the_whole_folder_in_one_commit(tmp_path, monkeypatch):
+    """`save_pretrained(..., push_to_hub=True)` (the transformers idiom) uploads the folder with its manifest and
+    add-ons once, not each part over the others; hub options without push_to_hub are refused."""
+    from huggingface_hub import HfApi
+
+    uploads = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kwargs: repo_id)
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, repo_id, folder_path, **kwargs: uploads.append(
+        (repo_id, sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file()),
+         kwargs.get("commit_message"))))
+    speculator = make_speculator(make_target())
+    speculator.save_pretrained(tmp_path / "my-spec", push_to_hub=True, repo_id="me/my-spec", commit_message="v1")
+    assert len(uploads) == 1 and uploads[0][0] == "me/my-spec" and uploads[0][2] == "v1"
+    assert {"speculator.json", "config.json", "refiner/config.json", "markov_head/model.safetensors"} <= set(uploads[0][1])
+    speculator.save_pretrained(tmp_path / "my-spec2", push_to_hub=True)
+    assert uploads[1][0] == "my-spec2"  # transformers' default: the folder's name
+    with pytest.raises(TypeError, match="only apply with push_to_hub=True"):
+        speculator.save_pretrained(tmp_path / "x", repo_id="me/x")
+
+
+def test_a_drafter_config_with_top_level_dflash_fields_loads(tmp_path):
+    """Some exporters also write mask_token_id / target_layer_ids at the top level: read when they agree with
+    dflash_config, refused when they contradict it."""
+    config, _ = write_zlab_checkpoint(tmp_path)
+    published = json.loads((tmp_path / "config.json").read_text())
+    fields = published["dflash_config"]
+    (tmp_path / "config.json").write_text(json.dumps({**published, **fields}))
+    assert AutoSpeculator.from_pretrained(tmp_path).drafter.config.layer_ids == fields["target_layer_ids"]
+    (tmp_path / "config.json").write_text(json.dumps({**published, "mask_token_id": fields["mask_token_id"] + 1}))
+    with pytest.raises(ValueError, match="mask_token_id=.* at the top level and .* in dflash_config"):
+        AutoSpeculator.from_pretrained(tmp_path)
+
+
+def test_casting_keeps_the_rope_frequencies_it_was_trained_with(tmp_path):
+    """`.to(bfloat16)` rounds weights, not RoPE frequencies (as `from_pretrained(dtype=bfloat16)`): both routes give
+    the same drafter, whose angles at position 4000 would otherwise be off by a large fraction of a turn."""
+    speculator = make_speculator(make_target())
+    speculator.save_pretrained(tmp_path)
+    cast = AutoSpeculator.from_pretrained(tmp_path).to(torch.bfloat16)
+    loaded = AutoSpeculator.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert cast.drafter.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(cast.drafter.rotary_emb.inv_freq, loaded.drafter.rotary_emb.inv_freq)
+    assert torch.equal(cast.drafter.rotary_emb.inv_freq, speculator.drafter.rotary_emb.inv_freq.float())
+    positions = torch.tensor([[4000, 4001]])
+    x = torch.zeros(1, 2, speculator.drafter.config.hidden_size, dtype=torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(cast.drafter.rotary_emb(x, positions),
+                                                  loaded.drafter.rotary_emb(x, positions)))
 
 
 def test_unknown_hub_id_offline_is_a_clear_error():

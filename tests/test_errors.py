@@ -133,6 +133,8 @@ def test_speculator_built_for_another_target(target, other, message):
     speculator = make_speculator(other_target)
     with pytest.raises(ValueError, match=f"built for {message}.*target has"):
         target.generate(PROMPT, assistant_model=speculator, speculation="dflash")
+    with pytest.raises(ValueError, match=f"built for {message}.*target has"):  # transformers' native path too
+        target.generate(PROMPT, assistant_model=speculator, speculation_type="dflash", max_new_tokens=4)
 
 
 def test_bad_layer_ids_and_mask_token(target):
@@ -157,6 +159,15 @@ def test_wrong_dtype(target, speculator):
     speculator.to(torch.float32)
     with pytest.raises(ValueError, match="float32 and the target in torch.float64"):
         target.generate(PROMPT, assistant_model=speculator, speculation="dflash")
+    with pytest.raises(ValueError, match="float32 and the target in torch.float64"):
+        target.generate(PROMPT, assistant_model=speculator, speculation_type="dflash", max_new_tokens=4)
+
+
+def test_parts_in_different_dtypes(target, speculator):
+    """A refiner left behind when the drafter was cast would fail inside a matmul; it is named before any work."""
+    speculator.refiner.to(torch.float32)
+    with pytest.raises(ValueError, match="parts are on different devices or dtypes.*speculator.to"):
+        target.generate(PROMPT, assistant_model=speculator, speculation="xpress")
 
 
 def test_enable_rejects_what_it_cannot_serve():

@@ -191,17 +191,45 @@ def test_native_path_sees_the_same_drafts_as_ours():
     prompt = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
     config = target.generation_config
     config.max_length = 40
-    outputs = target(prompt[:, :-1], output_hidden_states=True)
-    kwargs = dict(model_outputs=outputs, is_first_iteration=False, n_last_matches=0)
     ours = hf_specdiff.BlockDiffusionCandidateGenerator(target, speculator, "dflash", config)
     theirs = DFlashTokenCandidateGenerator(speculator.drafter, target.get_input_embeddings(),
                                            target.get_output_embeddings(), config)
     position_ids = torch.arange(prompt.shape[1])[None]
-    ids_ours, q_ours = ours.get_candidates(prompt, **kwargs)
+    # each generator reads the target's outputs as it asks generate to produce them (theirs: only some layers)
+    ids_ours, q_ours = ours.get_candidates(
+        prompt, model_outputs=target(prompt[:, :-1], output_hidden_states=True), is_first_iteration=False,
+        n_last_matches=0)
     ids_theirs, q_theirs = theirs.get_candidates(
-        prompt, model_kwargs={"position_ids": position_ids, "attention_mask": torch.ones_like(prompt)}, **kwargs)
+        prompt, model_kwargs={"position_ids": position_ids, "attention_mask": torch.ones_like(prompt)},
+        model_outputs=target(prompt[:, :-1], **theirs.model_kwargs_overrides), is_first_iteration=False,
+        n_last_matches=0)
     assert torch.equal(ids_ours, ids_theirs)
     torch.testing.assert_close(q_ours, q_theirs.to(q_ours.dtype))
+
+
+def test_native_generate_reads_the_layers_the_drafter_was_trained_on():
+    """Inside a real `generate(..., speculation_type="dflash")` (not a hand-built hidden-states tuple), the features
+    transformers hands the drafter are the target layers of its config, z-lab's meaning, on every supported version;
+    the last target layer included."""
+    import inspect
+
+    target = hf_specdiff.enable(make_target())
+    last = target.config.num_hidden_layers - 1
+    speculator = hf_specdiff.AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2,
+                                                        target_layer_ids=[last, 0], seed=1)
+    prompt = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(5))
+    seen = []
+    signature = inspect.signature(speculator.drafter.forward)
+
+    def record(module, args, kwargs):
+        seen.append(signature.bind(*args, **kwargs).arguments["context_hidden_states"].clone())
+
+    speculator.drafter.register_forward_pre_hook(record, with_kwargs=True)
+    target.generate(prompt, assistant_model=speculator, speculation_type="dflash", do_sample=False, max_new_tokens=4)
+    with torch.no_grad():
+        expected = speculator.drafter.context_features(target(prompt, output_hidden_states=True).hidden_states)
+    assert seen[0].shape[1] == prompt.shape[1]  # the first block's context: the whole prompt
+    torch.testing.assert_close(seen[0], expected)
 
 
 @pytest.mark.parametrize("method", METHODS)
