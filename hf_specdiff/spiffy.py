@@ -106,7 +106,10 @@ class DraftGraph:
 
     @classmethod
     def from_dict(cls, data: dict) -> DraftGraph:
-        version = data.get("format_version") if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            raise ValueError(f"A Spiffy graph is a JSON object, got a {type(data).__name__}: the file is corrupt; "
+                             "recalibrate the graph.")
+        version = data.get("format_version")
         if version != GRAPH_FORMAT_VERSION:
             raise ValueError(
                 f"Spiffy graph format_version {version!r} is not supported (this hf_specdiff reads "
@@ -117,8 +120,11 @@ class DraftGraph:
             return cls(nodes=[n["pairs"] for n in nodes], parents=[n["parents"] for n in nodes],
                        counts=[n["count"] for n in nodes] if all("count" in n for n in nodes) else [],
                        block_length=data["block_length"], calibration=data.get("calibration", {}))
-        except (KeyError, TypeError) as error:
-            raise ValueError(f"Spiffy graph JSON is missing a field ({error}); recalibrate it.") from error
+        except (KeyError, TypeError, ValueError) as error:  # a missing field, a pair that is not (int, int), ...
+            if "Invalid Spiffy draft graph" in str(error):
+                raise
+            raise ValueError(f"Spiffy graph JSON is malformed ({type(error).__name__}: {error}); recalibrate it.") \
+                from error
 
     def save_pretrained(self, folder: str | Path) -> Path:
         path = Path(folder) / GRAPH_FILE
@@ -138,7 +144,7 @@ class DraftGraph:
             file = cached_file(str(path_or_repo_id), GRAPH_FILE, **hub_kwargs)
         try:
             data = json.loads(Path(file).read_text())
-        except json.JSONDecodeError as error:
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise ValueError(f"{file} is not valid JSON ({error}); recalibrate the graph.") from error
         return cls.from_dict(data)
 
@@ -151,7 +157,10 @@ class DraftGraph:
             self.save_pretrained(folder)
             return HfApi().upload_folder(repo_id=repo_id, folder_path=folder, **kwargs)
 
-    def check_compatible(self, config: DiffusionGenerationConfig) -> None:
+    def check_compatible(self, config: DiffusionGenerationConfig, vocab_size: int | None = None) -> None:
+        if vocab_size is not None and self.max_token_rank >= vocab_size:
+            raise ValueError(f"This Spiffy graph uses token rank {self.max_token_rank}, but the model has {vocab_size} "
+                             "tokens: it was calibrated for another model; recalibrate it for this one.")
         if config.block_length != self.block_length:
             raise ValueError(
                 f"This Spiffy graph was calibrated for block_length={self.block_length}, but decoding uses "
@@ -366,6 +375,9 @@ def calibrate(model, prompts: list[torch.LongTensor], config: DiffusionGeneratio
     recorder = TrajectoryRecorder(model.mask_token_id, config.remasking, max_depth, num_token_ranks)
     device = next(model.parameters()).device
     for prompt in tqdm(prompts, desc="calibrate", disable=not progress):
+        if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
+            raise ValueError(f"calibrate takes one prompt per tensor, (1, n) or (n,); got {tuple(prompt.shape)}: pass "
+                             "the rows of a batch as separate prompts, without their padding.")
         ids = prompt.reshape(1, -1).to(device)
         diffusion_generate(model, ids, config=config, recorder=recorder)
     if not recorder.counts:

@@ -430,3 +430,18 @@ def test_forward_errors(published):
         model(ids[:, 4:], past_key_values=context[:1])
     with pytest.raises(ValueError, match="position_ids must have shape"):
         model(ids, position_ids=torch.arange(N))
+
+
+def test_from_pretrained_dtype_spellings_and_unknown_options(published):
+    """`dtype=` as a torch dtype or its name, transformers' older `torch_dtype=`, and "auto" (the stored dtype) all
+    work; an option from_pretrained would drop without a word is refused."""
+    folder, _, _ = published("llada")
+    assert AutoDiffusionLM.from_pretrained(folder, dtype="auto").dtype == AutoDiffusionLM.from_pretrained(folder).dtype
+    assert AutoDiffusionLM.from_pretrained(folder, torch_dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert AutoDiffusionLM.from_pretrained(folder, dtype="float16").dtype == torch.float16
+    with pytest.raises(TypeError, match=r"unsupported arguments \['device_map'\]"):
+        AutoDiffusionLM.from_pretrained(folder, device_map="auto")
+    with pytest.raises(ValueError, match="dtype must be a torch dtype"):
+        AutoDiffusionLM.from_pretrained(folder, dtype="half-precision")
+    with pytest.raises(TypeError, match="not both"):
+        AutoDiffusionLM.from_pretrained(folder, dtype=torch.float32, torch_dtype=torch.float16)

@@ -221,9 +221,17 @@ def test_graph_errors(tmp_path):
         DraftGraph(nodes=[((0, 0),), ((1, 0),)], parents=[[-1], [0]], block_length=8)
     with pytest.raises(ValueError, match="position rank outside"):
         DraftGraph(nodes=[((8, 0),)], parents=[[-1]], block_length=8)
-    with pytest.raises(ValueError, match="missing a field"):
+    with pytest.raises(ValueError, match="malformed.*recalibrate"):
         DraftGraph.from_dict({"format_version": 1, "nodes": []})
+    for broken in ([[0]], [[0, "x"]]):  # a pair without its token rank, a rank that is no number
+        with pytest.raises(ValueError, match="malformed.*recalibrate"):
+            DraftGraph.from_dict({**data, "nodes": [{"pairs": broken, "parents": [-1]}]})
+    with pytest.raises(ValueError, match="a JSON object, got a list"):
+        DraftGraph.from_dict([data])
     (tmp_path / "spiffy_graph.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        DraftGraph.from_pretrained(tmp_path)
+    (tmp_path / "spiffy_graph.json").write_bytes(b"\xff\xfe")
     with pytest.raises(ValueError, match="not valid JSON"):
         DraftGraph.from_pretrained(tmp_path)
     with pytest.raises(OSError):
@@ -309,3 +317,67 @@ def test_calibrate_command_on_real_prompts(tmp_path):
     options = dict(max_new_tokens=16, block_length=8, cache="dual")
     assert torch.equal(model.generate(ids, **options),
                        model.generate(ids, speculation="spiffy", draft_graph=tmp_path / "graph", **options))
+
+
+def sdar_reference(model, prompt, max_new_tokens=16, block=8):
+    """SDAR's block diffusion decoding written out plainly (greedy, low confidence, one token per step, no cache):
+    blocks aligned at position 0 over prompt and answer alike, block-causal attention everywhere."""
+    length = prompt.shape[1] + max_new_tokens
+    blocks = torch.arange(length) // block
+    allowed = (blocks[None, :] <= blocks[:, None])[None, None]
+    x = torch.cat([prompt, torch.full((1, max_new_tokens), MASK)], dim=1)
+    with torch.no_grad():
+        for b in range(prompt.shape[1] // block, length // block):
+            lo, hi = b * block, (b + 1) * block
+            while bool((x[0, lo:hi] == MASK).any()):
+                logits = model(x[:, :hi], position_ids=torch.arange(hi)[None],
+                               attention_mask=allowed[..., :hi, :hi]).logits.double()
+                logits[..., MASK] = -torch.inf
+                confidence, tokens = logits[0, lo:hi].softmax(-1).max(-1)
+                confidence[x[0, lo:hi] != MASK] = -torch.inf
+                i = int(confidence.argmax())
+                x[0, lo + i] = tokens[i]
+    return x
+
+
+def test_block_causal_decoding_matches_sdar_for_whole_prompt_blocks():
+    """On a block-causal model the prompt is read block-causally in blocks aligned at position 0, as SDAR decodes:
+    for prompts a whole number of blocks long (left-padded in a batch too), every cache mode gives SDAR's output, and
+    the canvas mask is SDAR's mask."""
+    model = tiny_dlm(block_causal=True)
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randint(0, MASK, (1, n), generator=g) for n in (8, 16)]
+    expected = [sdar_reference(model, p) for p in rows]
+    ids = torch.cat([torch.cat([torch.zeros(1, 8, dtype=torch.long), rows[0]], dim=1), rows[1]])
+    mask = torch.cat([torch.cat([torch.zeros(1, 8), torch.ones(1, 8)], dim=1), torch.ones(1, 16)]).long()
+    for cache in ("none", "prefix", "block"):
+        for p, want in zip(rows, expected):
+            assert torch.equal(diffusion_generate(model, p, config=config(cache=cache)).sequences, want), cache
+        batched = diffusion_generate(model, ids, mask, config=config(cache=cache)).sequences
+        assert torch.equal(batched[0, 8:], expected[0][0]) and torch.equal(batched[1], expected[1][0]), cache
+    canvas = Canvas(model, rows[1], None, config())
+    columns = torch.arange(32)
+    blocks = columns // 8
+    assert torch.equal(canvas.attention_mask(columns, columns)[0], blocks[None, :] <= blocks[:, None])
+
+
+def test_bad_decoding_inputs_are_refused():
+    model = tiny_dlm()
+    prompt = prompts(1)[0]
+    graph = calibrate(model, prompts(2), config(cache="dual"), num_nodes=4, progress=False)
+    n = prompt.shape[1]
+    right_padded = torch.cat([torch.ones(1, n - 1), torch.zeros(1, 1)], dim=1).long()
+    cases = [
+        (dict(config=config(max_new_tokens=0)), "max_new_tokens=0 must be a positive multiple"),
+        (dict(config=config(threshold=0.5, remasking="entropy")), "remasking='entropy' scores positions otherwise"),
+        (dict(attention_mask=torch.ones(2, n).long()), r"attention_mask \(2, .*must have input_ids' shape"),
+        (dict(attention_mask=right_padded), "must be left-padded"),
+        (dict(config=config(cache="dual"), draft_graph=graph, recorder=lambda *a: None), "drop draft_graph= to record"),
+        (dict(config=config(cache="dual"), draft_graph=DraftGraph(nodes=[((0, 70),)], parents=[[-1]], block_length=8)),
+         "token rank 70, but the model has 64 tokens"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            diffusion_generate(model, prompt, **{"config": config(), **kwargs})
+    with pytest.raises(ValueError, match=r"one prompt per tensor.*\(2, 4\)"):
+        calibrate(model, [torch.zeros(2, 4, dtype=torch.long)], config(cache="dual"), progress=False)

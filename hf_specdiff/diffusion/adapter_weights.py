@@ -60,8 +60,9 @@ def base_facts(model: nn.Module) -> dict:
     return {key: config.get(key) for key in BASE_FACTS}
 
 
-def load_base(base: str | None, with_tokenizer: bool = False):
-    """The causal LM named by an adapter's `base` (and its tokenizer, or None when it has none)."""
+def load_base(base: str | None, with_tokenizer: bool = False, **hub_kwargs):
+    """The causal LM named by an adapter's `base` (and its tokenizer, or None when it has none); `hub_kwargs`
+    (cache_dir, token, local_files_only, ...) as for the adapter, which may live elsewhere than its base."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if base == EMBEDDED_BASE:
@@ -73,7 +74,7 @@ def load_base(base: str | None, with_tokenizer: bool = False):
         raise ValueError(f"Unknown base {base!r}: the only embedded base is {EMBEDDED_BASE!r}; otherwise pass a local "
                          "folder or a Hub id of the causal LM the adapter was trained on (base=... when loading).")
     try:
-        model = AutoModelForCausalLM.from_pretrained(base)
+        model = AutoModelForCausalLM.from_pretrained(base, **hub_kwargs)
     except (OSError, ValueError) as error:  # ValueError: not a valid repo id either
         raise ValueError(f"The base model {base!r} could not be loaded ({error}). Pass base= a local folder or Hub id "
                          "(offline: already in the local Hub cache) holding the causal LM the adapter was trained on."
@@ -81,7 +82,7 @@ def load_base(base: str | None, with_tokenizer: bool = False):
     if not with_tokenizer:
         return model
     try:
-        tokenizer = AutoTokenizer.from_pretrained(base)
+        tokenizer = AutoTokenizer.from_pretrained(base, **hub_kwargs)
     except (OSError, ValueError):
         tokenizer = None  # a base without a tokenizer still trains; the artifact then holds none
     return model, tokenizer
@@ -132,11 +133,14 @@ def load_adapter_model(where: str, published: dict, dtype=None, device=None, bas
         if base is None:
             raise ValueError(f"{where} does not name its base model (it was trained on a model given in memory): "
                              "pass base= the causal LM it was trained on (a folder, Hub id or loaded model).")
-    causal = base if isinstance(base, nn.Module) else load_base(str(base))
+    # the adapter's revision / subfolder name its own files, not the base's
+    base_options = {k: v for k, v in (hub_kwargs or {}).items() if k not in ("revision", "subfolder")}
+    causal = base if isinstance(base, nn.Module) else load_base(str(base), **base_options)
     expected, found = published.get("base_config") or {}, base_facts(causal)
     differ = {key: (value, found.get(key)) for key, value in expected.items() if found.get(key) != value}
     if differ:
-        raise ValueError(f"{where} was trained on a different base model than {base!r}: (trained on, given) "
+        given = f"the given {type(base).__name__}" if isinstance(base, nn.Module) else repr(base)
+        raise ValueError(f"{where} was trained on a different base model than {given}: (trained on, given) "
                          f"{differ}. Pass base= the causal LM it was trained on.")
     model = DiffusionLM.from_causal_lm(causal, **diffusion)
     base_dtype = model.dtype
@@ -150,8 +154,6 @@ def load_adapter_model(where: str, published: dict, dtype=None, device=None, bas
         raise ValueError(f"{where}/{WEIGHTS_NAME} is missing or unreadable ({error}); the folder is corrupt: retrain "
                          "or re-download it.") from error
     merge_adapter(model, weights, scale, where)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
     return model.to(dtype=dtype or base_dtype, device=device).eval()
 
 

@@ -15,6 +15,10 @@ forward at the start of a block, then reuse the K/V of the prefix (and, for dual
 block is refined: approximations of "none" on a bidirectional model, used as decoding modes in their own right;
 "block" (SDAR) commits each finished block's K/V on a block-causal model, which is exact.
 
+Block-causal models (SDAR): the prompt is block-causal too, in blocks aligned at position 0 as SDAR's own decoding
+has them. Answer blocks start at the end of the prompt; SDAR's reference instead lets its first block finish the
+prompt's last partial block, so the two agree exactly when the prompt length is a multiple of block_length.
+
 With `draft_graph=` (Spiffy, Agrawal et al. 2025, see `hf_specdiff.spiffy`), each forward also carries drafts of
 future block states; the steps whose real result equals a draft are taken for free. Spiffy's output equals
 ordinary decoding's in the same mode, exactly when drafts see nothing that depends on the real block (`exact`).
@@ -46,7 +50,7 @@ class DiffusionGenerationConfig:
     max_drafts: int = 8  # Spiffy: drafts verified per forward after dynamic pruning (D*)
 
     def validate(self, model) -> None:
-        if self.block_length < 1 or self.max_new_tokens % self.block_length:
+        if self.block_length < 1 or self.max_new_tokens < 1 or self.max_new_tokens % self.block_length:
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} must be a positive multiple of block_length="
                 f"{self.block_length}; round it up or change block_length."
@@ -63,6 +67,10 @@ class DiffusionGenerationConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
         if self.threshold is not None and not 0 < self.threshold <= 1:
             raise ValueError(f"threshold must lie in (0, 1], got {self.threshold}.")
+        if self.threshold is not None and self.remasking in ("entropy", "random"):
+            # their scores (-entropy <= 0, uniform noise) are no probability a threshold could be compared with
+            raise ValueError(f"threshold={self.threshold} compares a probability; remasking={self.remasking!r} "
+                             "scores positions otherwise. Use remasking='low_confidence' or 'margin' with it.")
         if self.cache not in CACHE_MODES:
             raise ValueError(f"cache={self.cache!r} is not supported; choose one of {CACHE_MODES}.")
         if self.cache == "block" and not model.block_causal:
@@ -85,7 +93,9 @@ class DiffusionGenerationConfig:
         return (self.steps or self.max_new_tokens) // (self.max_new_tokens // self.block_length)
 
     def is_exact_for(self, model) -> bool:
-        """Whether Spiffy drafts see only K/V that does not depend on the real block (then output is identical)."""
+        """Whether Spiffy drafts see only K/V that does not depend on the real block: then Spiffy's output is
+        ordinary decoding's, up to floating-point rounding (a forward carrying drafts has other matmul shapes, so in
+        float32 / bfloat16 a near-tie, or a confidence at the threshold, can rarely flip; in float64 it does not)."""
         return bool(model.block_causal or self.cache == "dual")
 
 
@@ -93,7 +103,8 @@ class DiffusionGenerationConfig:
 class DiffusionGenerateOutput:
     """sequences: prompt + answer canvas; nfe: model forwards; unmasked_per_forward: (forwards, batch) tokens
     unmasked by each forward; accepted_drafts: (forwards, batch) Spiffy drafts taken for free per forward;
-    exact: whether Spiffy's output is guaranteed identical to ordinary decoding in this mode."""
+    exact: whether Spiffy's output is ordinary decoding's in this mode (up to floating-point rounding, see
+    `DiffusionGenerationConfig.is_exact_for`)."""
 
     sequences: torch.LongTensor | None = None
     nfe: int = 0
@@ -199,8 +210,11 @@ class Canvas:
         prompt_valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         self.valid = torch.cat([prompt_valid, prompt_valid.new_ones(b, config.max_new_tokens)], dim=1)
         self.positions = (self.valid.long().cumsum(dim=1) - 1).clamp(min=0)  # left padding does not shift positions
-        answer = torch.arange(config.max_new_tokens, device=device) // config.block_length
-        self.block_of = torch.cat([torch.full((prompt_length,), -1, device=device), answer])
+        # block id of each canvas column, per row: prompt blocks aligned at position 0 (block-causal models read
+        # their prompt block-causally, as SDAR does), then the answer blocks, after every prompt block
+        answer = prompt_length + torch.arange(config.max_new_tokens, device=device) // config.block_length
+        self.block_of = torch.cat([self.positions[:, :prompt_length] // config.block_length,
+                                   answer.expand(b, -1)], dim=1)
         self.shift = int(model.shift_logits)
         self.kv = None  # per layer (k, v) of the positions in `kv_positions`
         self.kv_positions = torch.arange(0, device=device)
@@ -214,7 +228,7 @@ class Canvas:
         query attends to itself so that its (unused) softmax is defined."""
         allowed = self.valid[:, key_pos][:, None, :].expand(-1, len(query_pos), -1)
         if self.model.block_causal:
-            allowed = allowed & (self.block_of[key_pos][None, :] <= self.block_of[query_pos][:, None])
+            allowed = allowed & (self.block_of[:, key_pos][:, None, :] <= self.block_of[:, query_pos][:, :, None])
         return allowed | (query_pos[:, None] == key_pos[None, :])
 
     def forward(self, query_pos, drafts=None, span=None, keep_kv=False):
@@ -328,8 +342,11 @@ def diffusion_generate(
 
     config = config or DiffusionGenerationConfig()
     config.validate(model)
+    _check_prompt(input_ids, attention_mask)
     if draft_graph is not None:
-        draft_graph.check_compatible(config)
+        draft_graph.check_compatible(config, getattr(model.config, "vocab_size", None))
+        if recorder is not None:  # drafts take steps without an ordinary forward, which the recorder would miss
+            raise ValueError("recorder= records ordinary decoding (calibration); drop draft_graph= to record.")
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("A streamer shows one sequence: use batch size 1 with streamer=..., or drop the streamer.")
     eos = _eos_ids(model, eos_token_id, input_ids.device)
@@ -382,6 +399,21 @@ def diffusion_generate(
         streamer.end()
     output.sequences = canvas.x[:, :end]
     return output
+
+
+def _check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be (batch, prompt length) with at least one token, got {tuple(input_ids.shape)}.")
+    if attention_mask is None:
+        return
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have input_ids' shape "
+                         f"{tuple(input_ids.shape)}.")
+    valid = attention_mask.bool()
+    if not valid[:, -1].all() or bool((valid[:, :-1] & ~valid[:, 1:]).any()):
+        # the answer starts right after the last prompt column: a right-padded row would be read through its padding
+        raise ValueError("Prompts must be left-padded (each attention_mask row 0...0 1...1, its last column 1): set "
+                         "tokenizer.padding_side = 'left'.")
 
 
 def _eos_ids(model, eos_token_id, device):

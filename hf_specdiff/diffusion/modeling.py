@@ -473,6 +473,7 @@ class DiffusionLM(PreTrainedModel):
         from . import adapter_weights
 
         where = str(path_or_repo_id)
+        dtype = _requested_dtype(dtype, hub_kwargs)
         try:
             config_file = cached_file(where, "config.json", **hub_kwargs)
         except OSError as error:
@@ -491,8 +492,6 @@ class DiffusionLM(PreTrainedModel):
             raise ValueError(f"base= is for diffusion adapter folders only; {where} is a complete checkpoint.")
         family, config = _recognise(published, where)
         state = {family.rename(name) if family else name: t for name, t in _read_safetensors(where, hub_kwargs).items()}
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
         embedding = state.get("model.embed_tokens.weight")
         dtype = dtype or (embedding.dtype if embedding is not None else torch.get_default_dtype())
         return cls._from_state_dict(config, state, where, dtype, device)
@@ -600,6 +599,29 @@ def _read_safetensors(where: str, hub_kwargs: dict) -> dict[str, torch.Tensor]:
     for file in files:
         state.update(load_file(file))
     return state
+
+
+HUB_OPTIONS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies", "subfolder")
+
+
+def _requested_dtype(dtype, hub_kwargs: dict) -> torch.dtype | None:
+    """`dtype` (or transformers' older spelling `torch_dtype`, taken out of `hub_kwargs`) as a torch dtype, None for
+    the stored one ("auto" too); refuses options `from_pretrained` would otherwise drop without a word."""
+    if "torch_dtype" in hub_kwargs:
+        if dtype is not None:
+            raise TypeError("Pass dtype= or torch_dtype=, not both.")
+        dtype = hub_kwargs.pop("torch_dtype")
+    unknown = sorted(set(hub_kwargs) - set(HUB_OPTIONS))
+    if unknown:
+        raise TypeError(f"from_pretrained got unsupported arguments {unknown}; it takes dtype, device, base and the Hub "
+                        f"options {list(HUB_OPTIONS)}.")
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch dtype, its name (e.g. 'bfloat16') or 'auto'; got {dtype!r}.")
+    return dtype
 
 
 class AutoDiffusionLM:
