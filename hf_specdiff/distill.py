@@ -84,7 +84,6 @@ def collect_prompts(config: DistillConfig) -> list[tuple[str, str]]:
     return prompts
 
 
-@torch.no_grad()
 def answered_ids(output: Path) -> set:
     """The prompt ids `output` already answers. A run killed while writing leaves a last line without its newline:
     that line is removed (its prompt is answered again), so the next row does not get glued onto it."""
@@ -103,6 +102,7 @@ def answered_ids(output: Path) -> set:
     return done
 
 
+@torch.no_grad()
 def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool = True) -> Path:
     from tqdm.auto import tqdm
 
