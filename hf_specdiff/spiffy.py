@@ -115,16 +115,16 @@ class DraftGraph:
                 f"Spiffy graph format_version {version!r} is not supported (this hf_specdiff reads "
                 f"{GRAPH_FORMAT_VERSION}); upgrade hf_specdiff or recalibrate the graph."
             )
-        try:
+        try:  # parsing; what the fields mean is checked when the graph is built
             nodes = data["nodes"]
-            return cls(nodes=[n["pairs"] for n in nodes], parents=[n["parents"] for n in nodes],
-                       counts=[n["count"] for n in nodes] if all("count" in n for n in nodes) else [],
-                       block_length=data["block_length"], calibration=data.get("calibration", {}))
+            fields = dict(nodes=[[(int(i), int(j)) for i, j in n["pairs"]] for n in nodes],
+                          parents=[[int(p) for p in n["parents"]] for n in nodes],
+                          counts=[n["count"] for n in nodes] if all("count" in n for n in nodes) else [],
+                          block_length=data["block_length"], calibration=data.get("calibration", {}))
         except (KeyError, TypeError, ValueError) as error:  # a missing field, a pair that is not (int, int), ...
-            if "Invalid Spiffy draft graph" in str(error):
-                raise
             raise ValueError(f"Spiffy graph JSON is malformed ({type(error).__name__}: {error}); recalibrate it.") \
                 from error
+        return cls(**fields)
 
     def save_pretrained(self, folder: str | Path) -> Path:
         path = Path(folder) / GRAPH_FILE
