@@ -169,10 +169,7 @@ class Speculator(nn.Module):
         from transformers.utils import cached_file
 
         path_or_repo_id = str(path_or_repo_id)
-        # the add-ons live below the drafter's folder, so their subfolder extends the one asked for
-        subfolder = hub_kwargs.pop("subfolder", None) or ""
-        if subfolder:
-            hub_kwargs["subfolder"] = subfolder
+        subfolder = hub_kwargs.get("subfolder") or ""  # the add-ons' subfolders extend it
         manifest = None
         manifest_file = cached_file(
             path_or_repo_id, MANIFEST, _raise_exceptions_for_missing_entries=False,
