@@ -125,7 +125,7 @@ def demo_diffusion(prompt: str, model_path: str | None, graph_path: str | None, 
     mask_id = model.mask_token_id
 
     def show(block, answer):  # one line per forward: decided tokens, and a shaded cell per masked one
-        cells = answer[0, block * block_length :]
+        cells = answer[0, max(0, answer.shape[1] - block_length) :]  # the block being decoded
         text = "".join("\u2591" if t == mask_id else tokenizer.decode([t]).replace("\n", "\u23ce") for t in cells.tolist())
         print(f"block {block} | {text}", flush=True)
 

@@ -320,14 +320,16 @@ def test_calibrate_command_on_real_prompts(tmp_path):
 
 
 def sdar_reference(model, prompt, max_new_tokens=16, block=8):
-    """SDAR's block diffusion decoding written out plainly (greedy, low confidence, one token per step, no cache):
-    blocks aligned at position 0 over prompt and answer alike, block-causal attention everywhere."""
-    length = prompt.shape[1] + max_new_tokens
+    """SDAR's block diffusion decoding written out plainly (greedy, low confidence, one token per step, no cache), as
+    its generate.py lays it out: one grid of blocks aligned at position 0 over prompt and answer, the canvas rounded
+    up to whole blocks, decoding from the prompt's last partial block on. Returns prompt + max_new_tokens tokens."""
+    prompt_length = prompt.shape[1]
+    length = -(-(prompt_length + max_new_tokens) // block) * block
     blocks = torch.arange(length) // block
     allowed = (blocks[None, :] <= blocks[:, None])[None, None]
-    x = torch.cat([prompt, torch.full((1, max_new_tokens), MASK)], dim=1)
+    x = torch.cat([prompt, torch.full((1, length - prompt_length), MASK)], dim=1)
     with torch.no_grad():
-        for b in range(prompt.shape[1] // block, length // block):
+        for b in range(prompt_length // block, length // block):
             lo, hi = b * block, (b + 1) * block
             while bool((x[0, lo:hi] == MASK).any()):
                 logits = model(x[:, :hi], position_ids=torch.arange(hi)[None],
@@ -337,28 +339,78 @@ def sdar_reference(model, prompt, max_new_tokens=16, block=8):
                 confidence[x[0, lo:hi] != MASK] = -torch.inf
                 i = int(confidence.argmax())
                 x[0, lo + i] = tokens[i]
-    return x
+    return x[:, : prompt_length + max_new_tokens]
 
 
-def test_block_causal_decoding_matches_sdar_for_whole_prompt_blocks():
-    """On a block-causal model the prompt is read block-causally in blocks aligned at position 0, as SDAR decodes:
-    for prompts a whole number of blocks long (left-padded in a batch too), every cache mode gives SDAR's output, and
-    the canvas mask is SDAR's mask."""
+def test_block_causal_decoding_matches_sdar():
+    """On a block-causal model prompt and answer share SDAR's grid of blocks aligned at position 0: the first block
+    finishes the prompt's last partial block. Prompts of whole and partial blocks, alone and left-padded together in
+    one batch, give SDAR's output in every cache mode, with Spiffy too; the canvas mask is SDAR's mask."""
     model = tiny_dlm(block_causal=True)
     g = torch.Generator().manual_seed(4)
-    rows = [torch.randint(0, MASK, (1, n), generator=g) for n in (8, 16)]
+    lengths = (8, 5, 16, 11, 3)
+    rows = [torch.randint(0, MASK, (1, n), generator=g) for n in lengths]
     expected = [sdar_reference(model, p) for p in rows]
-    ids = torch.cat([torch.cat([torch.zeros(1, 8, dtype=torch.long), rows[0]], dim=1), rows[1]])
-    mask = torch.cat([torch.cat([torch.zeros(1, 8), torch.ones(1, 8)], dim=1), torch.ones(1, 16)]).long()
+    width = max(lengths)
+    ids = torch.stack([torch.cat([torch.zeros(width - n, dtype=torch.long), p[0]]) for n, p in zip(lengths, rows)])
+    mask = (torch.arange(width)[None, :] >= width - torch.tensor(lengths)[:, None]).long()
     for cache in ("none", "prefix", "block"):
+        cfg = config(cache=cache)
         for p, want in zip(rows, expected):
-            assert torch.equal(diffusion_generate(model, p, config=config(cache=cache)).sequences, want), cache
-        batched = diffusion_generate(model, ids, mask, config=config(cache=cache)).sequences
-        assert torch.equal(batched[0, 8:], expected[0][0]) and torch.equal(batched[1], expected[1][0]), cache
-    canvas = Canvas(model, rows[1], None, config())
+            assert torch.equal(diffusion_generate(model, p, config=cfg).sequences, want), cache
+        batched = diffusion_generate(model, ids, mask, config=cfg).sequences
+        assert batched.shape == (len(rows), width + 16)
+        for i, (n, want) in enumerate(zip(lengths, expected)):
+            assert torch.equal(batched[i, width - n :], want[0]), (cache, n)
+    graph = calibrate(model, prompts(3, seed=7), config(cache="block"), num_nodes=16, progress=False)
+    spiffy = diffusion_generate(model, ids, mask, config=config(cache="block"), draft_graph=graph)
+    for i, (n, want) in enumerate(zip(lengths, expected)):
+        assert torch.equal(spiffy.sequences[i, width - n :], want[0]), n
+    assert sum(map(sum, spiffy.accepted_drafts)) > 0
+    canvas = Canvas(model, rows[2], None, config())
     columns = torch.arange(32)
     blocks = columns // 8
     assert torch.equal(canvas.attention_mask(columns, columns)[0], blocks[None, :] <= blocks[:, None])
+
+
+def test_block_causal_stream_and_early_stop_with_a_partial_first_block():
+    """The streamer gets only answer tokens (never the prompt tail that shares the first block), and a batch that
+    stops at EOS early returns every row's answer with EOS where a row's last block was left undecided."""
+    model = tiny_dlm(block_causal=True)
+    prompt = torch.randint(0, MASK, (1, 5), generator=torch.Generator().manual_seed(2))  # the first block: 5 + 3
+    full = diffusion_generate(model, prompt, config=config(max_new_tokens=24))
+
+    class Collect:
+        def __init__(self):
+            self.parts = []
+
+        def put(self, value):
+            self.parts.append(value)
+
+        def end(self):
+            pass
+
+    streamer = Collect()
+    diffusion_generate(model, prompt, config=config(max_new_tokens=24), streamer=streamer)
+    assert torch.equal(streamer.parts[0], prompt)
+    assert [part.shape[1] for part in streamer.parts[1:]] == [3, 8, 8, 5]
+    assert torch.equal(torch.cat(streamer.parts, dim=1), full.sequences)
+    eos = int(full.sequences[0, 5 + 1])  # the answer's second token: decided in the first (partial) block
+    stopped = diffusion_generate(model, prompt, config=config(max_new_tokens=24, stop_at_eos=True), eos_token_id=eos)
+    assert torch.equal(stopped.sequences, full.sequences[:, : 5 + 3])
+    other = torch.randint(0, MASK, (1, 8), generator=torch.Generator().manual_seed(3))  # answer starts a block earlier
+    ids = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], dim=1), other])
+    mask = torch.cat([torch.cat([torch.zeros(1, 3), torch.ones(1, 5)], dim=1), torch.ones(1, 8)]).long()
+    unstopped = diffusion_generate(model, ids, mask, config=config(max_new_tokens=24)).sequences[:, 8:]
+    common = set(unstopped[0, :8].tolist()) & set(unstopped[1, :8].tolist())  # both rows emit it in their 1st block
+    assert common, "pick other prompts: no token is in both rows' first blocks"
+    eos = min(common)
+    both = diffusion_generate(model, ids, mask, config=config(max_new_tokens=24, stop_at_eos=True), eos_token_id=eos)
+    answers = both.sequences[:, 8:]
+    assert answers.shape[1] < 24 and not bool((answers == MASK).any())
+    for row, reference in zip(answers, unstopped[:, : answers.shape[1]]):
+        decided = row.shape[0] if not bool((row != reference).any()) else int((row != reference).nonzero()[0, 0])
+        assert eos in reference[:decided].tolist() and bool((row[decided:] == eos).all())
 
 
 def test_bad_decoding_inputs_are_refused():

@@ -15,9 +15,13 @@ forward at the start of a block, then reuse the K/V of the prefix (and, for dual
 block is refined: approximations of "none" on a bidirectional model, used as decoding modes in their own right;
 "block" (SDAR) commits each finished block's K/V on a block-causal model, which is exact.
 
-Block-causal models (SDAR): the prompt is block-causal too, in blocks aligned at position 0 as SDAR's own decoding
-has them. Answer blocks start at the end of the prompt; SDAR's reference instead lets its first block finish the
-prompt's last partial block, so the two agree exactly when the prompt length is a multiple of block_length.
+Block-causal models (SDAR): prompt and answer share one grid of blocks aligned at position 0, as SDAR trains and
+decodes, so the first decoded block finishes the prompt's last partial block (its prompt tokens stay fixed) and the
+answer's blocks straddle no boundary the model never saw. Rows of a batch whose prompts end at different offsets in
+their block are laid out internally with extra left padding (a multiple of block_length) so that the grid lines up
+across rows. Where SDAR's reference would unmask more positions in a step than a partial block still has masked
+(overwriting prompt tokens with predictions), only the masked ones are unmasked. Bidirectional models (LLaDA, Dream)
+start the answer's first block right after the prompt, as their references do.
 
 With `draft_graph=` (Spiffy, Agrawal et al. 2025, see `hf_specdiff.spiffy`), each forward also carries drafts of
 future block states; the steps whose real result equals a draft are taken for free. Spiffy's output equals
@@ -202,26 +206,43 @@ class Canvas:
     """
 
     def __init__(self, model, input_ids, attention_mask, config: DiffusionGenerationConfig):
-        b, prompt_length = input_ids.shape
+        b, width = input_ids.shape
         device = input_ids.device
+        block_length, answer_length = config.block_length, config.max_new_tokens
         self.model, self.config = model, config
-        self.prompt_length, self.length = prompt_length, prompt_length + config.max_new_tokens
-        self.x = torch.cat([input_ids, input_ids.new_full((b, config.max_new_tokens), model.mask_token_id)], dim=1)
         prompt_valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        self.valid = torch.cat([prompt_valid, prompt_valid.new_ones(b, config.max_new_tokens)], dim=1)
-        self.positions = (self.valid.long().cumsum(dim=1) - 1).clamp(min=0)  # left padding does not shift positions
-        # block id of each canvas column, per row: prompt blocks aligned at position 0 (block-causal models read
-        # their prompt block-causally, as SDAR does), then the answer blocks, after every prompt block
-        answer = prompt_length + torch.arange(config.max_new_tokens, device=device) // config.block_length
-        self.block_of = torch.cat([self.positions[:, :prompt_length] // config.block_length,
-                                   answer.expand(b, -1)], dim=1)
+        prompt_lengths = prompt_valid.sum(dim=1)
+        if model.block_causal:  # SDAR grid: decoding starts at each row's last partial (or next whole) prompt block
+            whole = prompt_lengths // block_length * block_length
+            self.start = int(whole.max())
+            offset = self.start - whole  # extra left padding per row, a multiple of block_length
+            self.num_blocks = answer_length // block_length + int(bool((prompt_lengths % block_length).any()))
+        else:
+            self.start, offset = width, width - prompt_lengths
+            self.num_blocks = answer_length // block_length
+        self.length = self.start + self.num_blocks * block_length
+        self.answer_start = offset + prompt_lengths  # (b,) column of each row's first answer token
+        columns = torch.arange(self.length, device=device)
+        self.valid = columns[None, :] >= offset[:, None]
+        self.positions = (columns[None, :] - offset[:, None]).clamp(min=0)  # left padding does not shift positions
+        self.block_of = self.positions // block_length  # used by block-causal models only
+        self.x = torch.full((b, self.length), model.mask_token_id, dtype=input_ids.dtype, device=device)
+        rows, prompt_columns = prompt_valid.nonzero(as_tuple=True)
+        self.x[rows, prompt_columns - width + self.answer_start[rows]] = input_ids[rows, prompt_columns]
         self.shift = int(model.shift_logits)
         self.kv = None  # per layer (k, v) of the positions in `kv_positions`
         self.kv_positions = torch.arange(0, device=device)
 
     def block_range(self, block: int) -> tuple[int, int]:
-        start = self.prompt_length + block * self.config.block_length
+        start = self.start + block * self.config.block_length
         return start, start + self.config.block_length
+
+    def answers(self, end: int) -> torch.LongTensor:
+        """(b, n) each row's answer tokens decoded up to canvas column `end` (at most max_new_tokens of them); where a
+        row has fewer (its answer starts later in its first block), the rest are mask tokens (undecided)."""
+        n = min(self.config.max_new_tokens, end - int(self.answer_start.min()))
+        index = self.answer_start[:, None] + torch.arange(n, device=self.x.device)
+        return self.x.gather(1, index.clamp(max=self.length - 1)).masked_fill(index >= end, self.model.mask_token_id)
 
     def attention_mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         """(b, nq, nk) bool: key valid (not padding) and, on a block-causal model, not in a later block. A padding
@@ -356,10 +377,9 @@ def diffusion_generate(
     mask_id, b = model.mask_token_id, input_ids.shape[0]
     if streamer is not None:
         streamer.put(input_ids.cpu())
+    streamed = 0
 
-    num_blocks = config.max_new_tokens // config.block_length
-    end = canvas.prompt_length
-    for block in range(num_blocks):
+    for block in range(canvas.num_blocks):
         start, end = canvas.block_range(block)
         unmask = Unmasker(config, mask_id, block)
         step = torch.zeros(b, dtype=torch.long, device=input_ids.device)
@@ -389,15 +409,19 @@ def diffusion_generate(
             output.accepted_drafts.append(accepted.tolist())
             canvas.x[:, start:end] = new_state
             if on_forward is not None:
-                on_forward(block, canvas.x[:, canvas.prompt_length : end])
+                on_forward(block, canvas.answers(end))
+        answers = canvas.answers(end)
         if streamer is not None:
-            streamer.put(canvas.x[:, start:end].cpu())
-        if config.stop_at_eos and eos is not None and bool(torch.isin(canvas.x[:, canvas.prompt_length : end], eos)
-                                                           .any(dim=-1).all()):
+            streamer.put(answers[:, streamed:].cpu())
+            streamed = answers.shape[1]
+        if config.stop_at_eos and eos is not None and bool(torch.isin(answers, eos).any(dim=-1).all()):
             break
     if streamer is not None:
         streamer.end()
-    output.sequences = canvas.x[:, :end]
+    # every row has an EOS when decoding stops early: a row whose answer starts later in its first block is filled
+    # with EOS where its last block is still undecided
+    fill = eos[0] if eos is not None else mask_id
+    output.sequences = torch.cat([input_ids, answers.masked_fill(answers == mask_id, fill)], dim=1)
     return output
 
 
