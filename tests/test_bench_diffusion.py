@@ -11,7 +11,7 @@ import torch
 from conftest import require_bench_data, small_dlm_with_smollm_tokenizer
 
 from hf_specdiff.bench import BenchConfig, load_rows
-from hf_specdiff.bench_diffusion import _rows_not_used_for_calibration, score
+from hf_specdiff.bench_diffusion import _rows_not_used_for_calibration, first_divergence_gap, score
 from hf_specdiff.cli import main
 from hf_specdiff.spiffy import DraftGraph
 
@@ -37,6 +37,7 @@ def test_diffusion_bench_end_to_end(tmp_path):
     assert all(r["nfe"] == r["new_tokens"] + r["finished"] for r in base_records)
     for name in ("spiffy", "spiffy_threshold"):
         assert summary[name]["lossless_mismatches"] == 0 and summary[name]["exact"]
+        assert summary[name]["unexplained_mismatches"] == 0
         assert summary[name]["nfe"] <= summary[name.replace("spiffy_", "").replace("spiffy", "steps")]["nfe"]
     assert set(result["by_dataset"]) == {"gsm8k", "mbpp"}
     assert all(r["correct"] in (True, False) for r in result["records"])
@@ -48,6 +49,50 @@ def test_diffusion_bench_end_to_end(tmp_path):
         datasets=["math500", "mbpp"], limit=2, seed=graph.calibration["prompt_seed"]))}
     measured = _rows_not_used_for_calibration(BenchConfig(datasets=["mbpp", "math500"], limit=30), graph)
     assert len(measured) == 60 and not calibration & {json.dumps(r, sort_keys=True) for _, r in measured}
+
+
+class PositionLogitsDLM(torch.nn.Module):
+    """A diffusion LM whose logits depend on the position only: position p prefers token p % 7 with logit
+    4 + 0.6 p (every decision is separated by >= 0.6 logits), except `tie_position`, whose runner-up token trails
+    its top token by `delta`."""
+
+    mask_token_id, shift_logits, block_causal, supports_kv = 7, False, False, False
+    config = SimpleNamespace(vocab_size=8, eos_token_id=None)
+
+    def __init__(self, tie_position, delta):
+        super().__init__()
+        self.tie_position, self.delta = tie_position, delta
+
+    def forward(self, input_ids, position_ids, attention_mask, past_key_values=None, return_key_values=False):
+        top = position_ids % 7
+        top_logit = 4 + 0.6 * position_ids.double()
+        logits = torch.zeros(*input_ids.shape, 8, dtype=torch.float64)
+        logits.scatter_(-1, top[..., None], top_logit[..., None])
+        tie = position_ids == self.tie_position
+        logits[tie, (top[tie] + 1) % 7] = top_logit[tie] - self.delta
+        return SimpleNamespace(logits=logits, key_values=None)
+
+
+@pytest.mark.parametrize("threshold", [None, 0.9])
+def test_a_diverging_block_is_explained_only_by_a_near_tie(threshold):
+    """The gap reported for a Spiffy mismatch is the closest decision of ordinary decoding in the block where the
+    outputs diverge: the runner-up's distance at a near-tie (positive control), >= 0.6 logits without one."""
+    from hf_specdiff.diffusion import DiffusionGenerationConfig, diffusion_generate
+
+    decoding = DiffusionGenerationConfig(max_new_tokens=16, block_length=8, threshold=threshold, stop_at_eos=False)
+    prompt = torch.tensor([[1, 2, 3]])
+    for delta, low, high in ((1e-6, 0, 2e-6), (1.0, 0.59, 1.0)):
+        model = PositionLogitsDLM(tie_position=3 + 10, delta=delta)  # answer token 10: the second block
+        reference = diffusion_generate(model, prompt, config=decoding).sequences
+        assert reference[0, 3 + 10] == 13 % 7
+        diverged = reference.clone()
+        diverged[0, 3 + 12] = 0  # diverges in the second block, two tokens after the near-tie
+        assert low <= first_divergence_gap(model, prompt, decoding, reference, diverged, None) <= high, delta
+        early = reference.clone()
+        early[0, 3 + 5] = 0  # diverges in the first block, which has no near-tie
+        assert first_divergence_gap(model, prompt, decoding, reference, early, None) >= 0.59
+    sampled = DiffusionGenerationConfig(max_new_tokens=16, block_length=8, temperature=0.7)
+    assert first_divergence_gap(model, prompt, sampled, reference, early, None) is None
 
 
 def test_diffusion_demo(tmp_path, capsys):
