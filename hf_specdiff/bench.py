@@ -10,7 +10,8 @@ compilation) is excluded from every figure.
 Per method: tokens/s and speedup over `ar` measured in the same run; prefill (time to the first generated token)
 and the decode rate after it; whether transformers compiled the forward; for our speculative methods tau (mean
 tokens per target forward after the prefill, bonus included), acceptance by block position, draft/refine/verify
-time per step and target forwards. Losslessness against `ar`: greedy runs compare token by token (raw mismatches,
+time per step in the steady state (the prefill forward and the first block's drafter pass over the prompt apart:
+`prefill_forward_ms`, `draft_prefill_ms`) and target forwards. Losslessness against `ar`: greedy runs compare token by token (raw mismatches,
 and those not explained by a near-tie of the target's logits in floating point; the second must be 0); sampled
 runs (`temperature > 0`) compare the target's mean log-probability of the generated tokens with a paired
 permutation test over prompts (`sampling_check`, see `paired_permutation_test`).
@@ -50,7 +51,7 @@ class BenchConfig:
     datasets: list[str] = field(default_factory=lambda: ["gsm8k"])
     prompts: str | None = None  # a JSONL file with a `prompt` string or a `messages` list per line
     data_dir: str | None = None  # folder holding the benchmark JSONL files; default: $HF_SPECDIFF_DATA or shared/data
-    limit: int = 10  # prompts per dataset
+    limit: int = 10  # prompts per dataset, or from --prompts (0: all of them)
     seed: int = 0  # order in which prompts are drawn
     # of ar, ar_static, dflash, xpress, markov, dflash_static, xpress_static, dflash_hf, prompt_lookup; ar is always
     # run (the reference)
@@ -106,15 +107,43 @@ def find_data_dir(explicit: str | None) -> Path:
     )
 
 
+def read_prompts_file(path: str) -> list[dict]:
+    """The rows of a --prompts file: one JSON object per line with a `prompt` string or a `messages` list of
+    {"role", "content"} dicts (not both); a bad line is named by file:line."""
+    rows = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where} is not JSON ({error.msg}): write one JSON object per line.") from None
+        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+            raise ValueError(f"{where} needs exactly one of a `prompt` string or a `messages` list, e.g. "
+                             '{"prompt": "Hi"} or {"messages": [{"role": "user", "content": "Hi"}]}.')
+        if "prompt" in row and not isinstance(row["prompt"], str):
+            raise ValueError(f"{where}: `prompt` must be a string, got {type(row['prompt']).__name__}.")
+        messages = row.get("messages", [])
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ) or "messages" in row and not messages:
+            raise ValueError(f"{where}: `messages` must be a non-empty list of "
+                             '{"role": ..., "content": ...} dicts with string values.')
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"--prompts {path} holds no prompts.")
+    return rows
+
+
 def load_rows(config: BenchConfig) -> list[tuple[str, dict]]:
-    """[(dataset, row)] with `limit` rows per dataset drawn in a seeded order ("custom" rows from --prompts)."""
+    """[(dataset, row)] with `limit` rows per dataset drawn in a seeded order ("custom" rows from --prompts, in the
+    file's order)."""
+    if config.limit < 0:
+        raise ValueError(f"--limit must be >= 0 (prompts per dataset or from --prompts; 0: all), got {config.limit}.")
     if config.prompts:
-        rows = [json.loads(line) for line in Path(config.prompts).read_text().splitlines() if line.strip()]
-        for number, row in enumerate(rows, 1):
-            if "messages" not in row and "prompt" not in row:
-                raise ValueError(f"{config.prompts}:{number} needs a `prompt` string or a `messages` list.")
-        rows = rows[: config.limit] if config.limit else rows
-        return [("custom", row) for row in rows]
+        return [("custom", row) for row in read_prompts_file(config.prompts)[: config.limit or None]]
     unknown = [d for d in config.datasets if d not in DATASETS]
     if unknown:
         raise ValueError(f"Unknown datasets {unknown}; choose from {DATASETS} or pass --prompts FILE.jsonl.")
@@ -123,7 +152,7 @@ def load_rows(config: BenchConfig) -> list[tuple[str, dict]]:
     for name in config.datasets:
         rows = [json.loads(line) for line in (data_dir / _FILES[name]).read_text().splitlines() if line.strip()]
         random.Random(config.seed).shuffle(rows)
-        out += [(name, row) for row in rows[: config.limit]]
+        out += [(name, row) for row in rows[: config.limit or None]]
     return out
 
 
@@ -192,7 +221,7 @@ def _method_runs(config: BenchConfig, speculator, max_cache_len: int) -> list[tu
         else:
             raise ValueError(f"Unknown method {method!r}; choose from {', '.join(METHODS)}.")
     # every ratio is relative to plain generate, whose scores (greedy runs) tell near-ties from real mismatches
-    reference = ("ar", {"output_scores": True} if config.temperature == 0 else {})
+    reference = ("ar", {} if generate_kwargs(config)["do_sample"] else {"output_scores": True})
     return [reference] + [r for r in runs if r[0] != "ar"]
 
 
@@ -295,6 +324,40 @@ def load_models(config: BenchConfig, target=None, tokenizer=None, speculator=Non
     return target, tokenizer, speculator.to(device=config.device, dtype=dtype)
 
 
+def check_bench_config(config: BenchConfig, methods: tuple[str, ...]) -> None:
+    """Options that would be ignored, miscounted or fail late raise here, before any model loads."""
+    if config.limit < 0:
+        raise ValueError(f"--limit must be >= 0 (prompts per dataset or from --prompts; 0: all), got {config.limit}.")
+    if config.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {config.temperature}.")
+    if not isinstance(getattr(torch, config.dtype, None), torch.dtype):
+        raise ValueError(f"--dtype {config.dtype!r} is not a torch dtype; use float32, bfloat16 or float16.")
+    unknown = [m for m in config.methods if m not in methods]
+    if unknown:
+        raise ValueError(f"Unknown methods {unknown}; choose from {', '.join(methods)}.")
+    for option, values in (("methods", config.methods), ("datasets", config.datasets),
+                           ("batch-size", config.batch_size), ("jacobi-passes", config.jacobi_passes)):
+        repeated = sorted({v for v in values if list(values).count(v) > 1})
+        if repeated:  # two runs of one name would be merged into one row
+            raise ValueError(f"--{option} lists {repeated} more than once; give each value once.")
+
+
+def check_ar_options(config: BenchConfig) -> None:
+    """Autoregressive-bench options set without a method that uses them."""
+    methods = set(config.methods)
+    unused = []
+    if list(config.jacobi_passes) != [4] and not methods & {"xpress", "xpress_static"}:
+        unused.append(f"--jacobi-passes {config.jacobi_passes} (xpress, xpress_static)")
+    if config.num_draft_tokens is not None and not methods & {"dflash", "xpress", "markov", "dflash_static",
+                                                              "xpress_static"}:
+        unused.append(f"--num-draft-tokens {config.num_draft_tokens} (dflash, xpress, markov and their _static runs)")
+    if config.compile is not None and not methods & {"ar_static", "dflash_static", "xpress_static"}:
+        unused.append(f"--compile {config.compile} (ar_static, dflash_static, xpress_static)")
+    if unused:
+        raise ValueError(f"{'; '.join(unused)}: no method in --methods {list(config.methods)} uses it. Add such a "
+                         "method or drop the option.")
+
+
 def generate_kwargs(config: BenchConfig) -> dict:
     """What every measured `generate` call shares: greedy or sampled, the budget, a dict output."""
     common = dict(max_new_tokens=config.max_new_tokens, do_sample=config.temperature > 0, return_dict_in_generate=True)
@@ -307,6 +370,8 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
     """Batch size 1, prompt by prompt (`config.batch_size` other than [1]: see `bench_batched.run_batch_bench`)."""
     from tqdm.auto import tqdm
 
+    check_bench_config(config, METHODS)
+    check_ar_options(config)
     if list(config.batch_size) != [1]:
         from .bench_batched import run_batch_bench
 
@@ -465,19 +530,42 @@ def summarize(records: list[dict], runs: list[str]) -> dict:
             entry["unexplained_mismatches"] = sum(r["unexplained_mismatch"] for r in rows)
         if rows and "stats" in rows[0]:
             stats = [r["stats"] for r in rows]
-            steps = sum(len(s["accepted_lengths"]) for s in stats)
-            entry["tau"] = sum(sum(s["accepted_lengths"]) for s in stats) / max(steps, 1)
-            entry["tau_per_sample"] = [sum(s["accepted_lengths"]) / max(len(s["accepted_lengths"]), 1) for s in stats]
-            accepted = [sum(c) for c in zip(*[_pad(r["accepted_at_position"][0], 32) for r in rows])]
-            offered = [sum(c) for c in zip(*[_pad(r["accepted_at_position"][1], 32) for r in rows])]
+            entry["tau"] = mean_accepted_length([s["accepted_lengths"] for s in stats])
+            entry["tau_per_sample"] = [mean_accepted_length([s["accepted_lengths"]]) for s in stats]
+            positions = max((len(r["accepted_at_position"][1]) for r in rows), default=0)
+            accepted = [sum(c) for c in zip(*[_pad(r["accepted_at_position"][0], positions) for r in rows])]
+            offered = [sum(c) for c in zip(*[_pad(r["accepted_at_position"][1], positions) for r in rows])]
             entry["accept_rate_by_position"] = [a / o for a, o in zip(accepted, offered) if o]
-            for phase in ("draft", "refine", "verify"):
-                entry[f"{phase}_ms"] = 1000 * sum(s[f"{phase}_seconds"] for s in stats) / max(steps, 1)
+            entry.update(phase_times(stats))
             entry["target_forwards"] = sum(s["target_forwards"] for s in stats)
         summary[name] = entry
     for entry in summary.values():
         entry["speedup_vs_ar"] = entry["tokens_per_s"] / ar_speed if ar_speed else None
     return summary
+
+
+def mean_accepted_length(lengths: list[list[int]]) -> float | None:
+    """tau over the verify steps of several runs (bonus included); None when none took a step (a budget of one token:
+    the prefill emits it)."""
+    steps = sum(len(run) for run in lengths)
+    return sum(map(sum, lengths)) / steps if steps else None
+
+
+def phase_times(stats: list[dict]) -> dict:
+    """Milliseconds per (batched) step of drafting, resolving and verifying a block, steady state: the prefill forward
+    and the first block's drafter pass, which reads the whole prompt, are reported per run apart (`prefill_forward_ms`,
+    `draft_prefill_ms`). None where no step was taken."""
+    def per(seconds, count):
+        return 1000 * seconds / count if count else None
+
+    blocks = sum(s["blocks"] for s in stats)
+    return {
+        "draft_ms": per(sum(s["draft_seconds"] for s in stats), sum(max(s["blocks"] - 1, 0) for s in stats)),
+        "refine_ms": per(sum(s["refine_seconds"] for s in stats), blocks),
+        "verify_ms": per(sum(s["verify_seconds"] for s in stats), sum(s["target_forwards"] - 1 for s in stats)),
+        "prefill_forward_ms": per(sum(s["prefill_seconds"] for s in stats), len(stats)),
+        "draft_prefill_ms": per(sum(s["draft_prefill_seconds"] for s in stats), sum(s["blocks"] > 0 for s in stats)),
+    }
 
 
 def _pad(values, size):

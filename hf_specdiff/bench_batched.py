@@ -36,7 +36,9 @@ from .bench import (
     generate_kwargs,
     load_models,
     load_prompts,
+    mean_accepted_length,
     mean_target_logprob,
+    phase_times,
     timed_generate,
 )
 
@@ -140,13 +142,10 @@ def summarize_curve(records: list[dict], runs: list[str]) -> dict:
             entry["sampling_check"] = _sampling_check(rows, reference)
         if calls and "stats" in calls[0]:
             stats = [call["stats"] for call in calls]
-            lengths = [n for s in stats for n in s["accepted_lengths"]]
-            steps = sum(s["target_forwards"] - 1 for s in stats)  # batched verify steps after the prefill
-            entry["tau"] = sum(lengths) / max(len(lengths), 1)
+            entry["tau"] = mean_accepted_length([s["accepted_lengths"] for s in stats])
             entry["target_forwards"] = sum(s["target_forwards"] for s in stats)
             entry["forwards_per_batch"] = entry["target_forwards"] / len(calls)
-            for phase in ("draft", "refine", "verify"):
-                entry[f"{phase}_ms"] = 1000 * sum(s[f"{phase}_seconds"] for s in stats) / max(steps, 1)
+            entry.update(phase_times(stats))
         summary[name] = entry
     for reference in ("ar", "dflash"):
         speed = summary.get(reference, {}).get("tokens_per_s")

@@ -122,6 +122,9 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
     from .diffusion.adapter_weights import load_base, named_base
     from .spiffy import DraftGraph
 
+    from .bench import check_bench_config
+
+    check_bench_config(config, DIFFUSION_METHODS)
     if list(config.batch_size) != [1]:
         raise ValueError(f"Diffusion benchmarks decode prompt by prompt; drop --batch-size {config.batch_size} (the "
                          "batch curve measures the autoregressive speculative methods).")
@@ -304,10 +307,10 @@ def _rows_not_used_for_calibration(config, graph) -> list[tuple[str, dict]]:
         seen = {json.dumps(row, sort_keys=True) for _, row in used}
     if not seen:
         return load_rows(config)
-    rows = load_rows(replace(config, limit=config.limit + len(seen)))
+    rows = load_rows(replace(config, limit=config.limit and config.limit + len(seen)))  # 0: all of them
     kept, count = [], {}
     for dataset, row in rows:
-        if json.dumps(row, sort_keys=True) not in seen and count.get(dataset, 0) < config.limit:
+        if json.dumps(row, sort_keys=True) not in seen and count.get(dataset, 0) < (config.limit or len(rows)):
             kept.append((dataset, row))
             count[dataset] = count.get(dataset, 0) + 1
     return kept

@@ -173,9 +173,13 @@ class SpeculationStats:
     accepted_tokens: int = 0  # draft tokens the target accepted (bonus tokens excluded)
     target_forwards: int = 0  # prefill included; one per verify step, whatever the batch size
     refine_passes: list[int] = field(default_factory=list)  # Jacobi passes per (batched) block (xpress)
-    draft_seconds: float = 0.0
-    refine_seconds: float = 0.0
-    verify_seconds: float = 0.0
+    accepted_draft_lengths: list[int] = field(default_factory=list)  # drafts accepted and kept per verify step and row
+    blocks: int = 0  # (batched) blocks drafted, the first included
+    draft_seconds: float = 0.0  # drafting every block but the first
+    refine_seconds: float = 0.0  # resolving every block (xpress / markov / dflash)
+    verify_seconds: float = 0.0  # every target forward but the prefill
+    prefill_seconds: float = 0.0  # the target's prefill forward
+    draft_prefill_seconds: float = 0.0  # drafting the first block, which reads the whole prompt's context
     batch_size: int = 1
     row_accepted_lengths: list[list[int]] = field(default_factory=list)  # per row of the batch: its accepted_lengths
     row_drafted_lengths: list[list[int]] = field(default_factory=list)  # per row of the batch: its drafted_lengths
@@ -191,6 +195,7 @@ class SpeculationStats:
         for row, num_emitted, num_drafted, num_accepted in zip(rows, emitted, drafted, accepted):
             self.accepted_lengths.append(num_emitted)
             self.drafted_lengths.append(num_drafted)
+            self.accepted_draft_lengths.append(min(num_accepted, num_emitted))
             self.accepted_tokens += min(num_accepted, num_emitted)
             self.row_accepted_lengths[row].append(num_emitted)
             self.row_drafted_lengths[row].append(num_drafted)
@@ -211,13 +216,15 @@ class SpeculationStats:
 
     def accepted_at_position(self) -> tuple[list[int], list[int]]:
         """(accepted, offered) counts per block position: a draft at position i is offered when the step drafted
-        more than i tokens and accepted when more than i were accepted."""
+        more than i tokens and accepted when more than i were accepted. A step that stopped (EOS, stop string, max
+        length) on an accepted draft offered only the drafts up to the stop: those after it were never needed."""
         size = max(self.drafted_lengths, default=0)
         accepted, offered = [0] * size, [0] * size
-        for drafted, emitted in zip(self.drafted_lengths, self.accepted_lengths):
-            for i in range(drafted):
+        for drafted, emitted, kept_drafts in zip(self.drafted_lengths, self.accepted_lengths,
+                                                 self.accepted_draft_lengths):
+            for i in range(emitted if emitted <= kept_drafts else drafted):
                 offered[i] += 1
-                accepted[i] += int(emitted - 1 > i)
+                accepted[i] += int(i < kept_drafts)
         return accepted, offered
 
     def to_dict(self) -> dict:
@@ -231,9 +238,13 @@ class SpeculationStats:
             "accepted_tokens": self.accepted_tokens,
             "target_forwards": self.target_forwards,
             "refine_passes": list(self.refine_passes),
+            "accepted_draft_lengths": list(self.accepted_draft_lengths),
+            "blocks": self.blocks,
             "draft_seconds": self.draft_seconds,
             "refine_seconds": self.refine_seconds,
             "verify_seconds": self.verify_seconds,
+            "prefill_seconds": self.prefill_seconds,
+            "draft_prefill_seconds": self.draft_prefill_seconds,
             "batch_size": self.batch_size,
             "row_tau": self.row_tau,
             "row_accepted_lengths": [list(lengths) for lengths in self.row_accepted_lengths],
@@ -352,7 +363,11 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
                                                  positions, attention_mask, self.cache, self.max_drafts)
             _compat.crop_cache(self.cache, self.block_size)  # keep context K/V only
         synchronize(self.device)
-        self.stats.draft_seconds += time.perf_counter() - start
+        if num_new == context_length:  # the first block: its drafter pass also read the whole prompt
+            self.stats.draft_prefill_seconds += time.perf_counter() - start
+        else:
+            self.stats.draft_seconds += time.perf_counter() - start
+        self.stats.blocks += 1
 
         # 2. Resolve the block: marginals (dflash), Jacobi refinement (xpress) or left to right (markov).
         start = time.perf_counter()

@@ -247,7 +247,10 @@ def speculative_decoding(
             new_tokens, num_accepted = verify_greedy(target_scores, candidates)
         accepted = num_accepted.tolist()  # (b,) on the host
         synchronize(input_ids.device)
-        stats.verify_seconds += time.perf_counter() - start
+        if first:
+            stats.prefill_seconds += time.perf_counter() - start
+        else:
+            stats.verify_seconds += time.perf_counter() - start
 
         # 5. Stop each row where plain decoding would have stopped, even inside its accepted run.
         drafted = [min(num_drafts, generation_config.max_length - n - 1) for n in rows.lengths]  # fit before max length

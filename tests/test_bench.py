@@ -14,7 +14,9 @@ from hf_specdiff.bench import (
     _method_runs,
     load_prompts,
     markdown_table,
+    mean_accepted_length,
     paired_permutation_test,
+    phase_times,
     run_bench,
     write_outputs,
 )
@@ -133,13 +135,69 @@ def test_bad_bench_inputs(tmp_path):
     with pytest.raises(ValueError, match="Unknown datasets"):
         load_prompts(BenchConfig(datasets=["imagenet"]))
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "hi"}\n')
-    with pytest.raises(ValueError, match="needs a `prompt` string or a `messages` list"):
+    lines = {'{"text": "hi"}': "needs exactly one of a `prompt` string or a `messages` list",
+             '"just a string"': "needs exactly one of",
+             '{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}': "needs exactly one of",
+             '{"prompt": 5}': "`prompt` must be a string, got int",
+             '{"messages": "hi"}': "`messages` must be a non-empty list",
+             '{"messages": []}': "`messages` must be a non-empty list",
+             '{"prompt": "ok"': "is not JSON"}
+    for line, message in lines.items():
+        bad.write_text('{"prompt": "fine"}\n' + line + "\n")
+        with pytest.raises(ValueError, match=f"bad.jsonl:2.*{message}"):
+            load_prompts(BenchConfig(prompts=str(bad)))
+    bad.write_text("\n")
+    with pytest.raises(ValueError, match="holds no prompts"):
         load_prompts(BenchConfig(prompts=str(bad)))
+    good = _two_prompts(tmp_path)
+    assert len(load_prompts(BenchConfig(prompts=str(good), limit=0))) == 2  # 0: all of them
+    assert len(load_prompts(BenchConfig(prompts=str(good), limit=1))) == 1
+    refused = {  # each before any model loads: run_bench is given no model
+        "--limit must be >= 0": dict(limit=-1),
+        "--temperature must be >= 0": dict(temperature=-0.5),
+        "--dtype 'float33' is not a torch dtype": dict(dtype="float33"),
+        r"--methods lists \['dflash'\] more than once": dict(methods=["ar", "dflash", "dflash"]),
+        r"--datasets lists \['gsm8k'\] more than once": dict(datasets=["gsm8k", "gsm8k"]),
+        r"--batch-size lists \[4\] more than once": dict(batch_size=[1, 4, 4]),
+        r"--jacobi-passes \[2, 8\] \(xpress, xpress_static\): no method": dict(methods=["ar", "dflash"],
+                                                                                  jacobi_passes=[2, 8]),
+        "--num-draft-tokens 3 .*no method in --methods": dict(methods=["ar", "prompt_lookup"], num_draft_tokens=3),
+        "--compile True .*no method in --methods": dict(methods=["ar", "xpress"], compile=True),
+        r"Unknown methods \['beam'\]": dict(methods=["ar", "beam"]),
+    }
+    for message, options in refused.items():
+        with pytest.raises(ValueError, match=message):
+            run_bench(BenchConfig(**options), target="not loaded")
     with pytest.raises(ValueError, match="Unknown method 'beam'; choose from ar, ar_static"):
         _method_runs(BenchConfig(methods=["ar", "beam"]), speculator=None, max_cache_len=64)
     with pytest.raises(FileNotFoundError, match="--data-dir"):
         load_prompts(BenchConfig(data_dir=str(tmp_path / "nowhere"), datasets=["gsm8k"]))
+
+
+def test_phase_times_leave_the_prefill_out_and_a_run_without_steps_has_no_tau():
+    """Per-step figures are steady-state: the prefill forward and the first block's drafter pass over the prompt are
+    reported apart; a run whose budget the prefill used up has no tau rather than 0."""
+    runs = [{"blocks": 3, "draft_seconds": 0.02, "refine_seconds": 0.03, "verify_seconds": 0.3, "target_forwards": 4,
+             "prefill_seconds": 1.0, "draft_prefill_seconds": 0.5},
+            {"blocks": 0, "draft_seconds": 0.0, "refine_seconds": 0.0, "verify_seconds": 0.0, "target_forwards": 1,
+             "prefill_seconds": 0.8, "draft_prefill_seconds": 0.0}]
+    times = phase_times(runs)
+    assert times["draft_ms"] == pytest.approx(10.0) and times["refine_ms"] == pytest.approx(10.0)
+    assert times["verify_ms"] == pytest.approx(100.0) and times["prefill_forward_ms"] == pytest.approx(900.0)
+    assert times["draft_prefill_ms"] == pytest.approx(500.0)
+    assert phase_times(runs[1:])["verify_ms"] is None and phase_times(runs[1:])["draft_ms"] is None
+    assert mean_accepted_length([[3, 1], []]) == 2.0 and mean_accepted_length([[]]) is None
+
+
+def test_acceptance_by_position_counts_a_stop_on_an_accepted_draft_as_accepted():
+    from hf_specdiff.candidates import SpeculationStats
+
+    stats = SpeculationStats(method="dflash")
+    stats.add_step([0], emitted=[3], drafted=[7], accepted=[2])  # 2 accepted, rejected at position 2, bonus
+    stats.add_step([0], emitted=[4], drafted=[7], accepted=[7])  # all accepted, EOS drafted at position 3: stop
+    accepted, offered = stats.accepted_at_position()
+    assert offered == [2, 2, 2, 2, 1, 1, 1]
+    assert accepted == [2, 2, 1, 1, 0, 0, 0]
 
 
 def _prompts(tmp_path, questions) -> Path:
