@@ -70,6 +70,8 @@ class RowBatch:
         self.rows = list(range(batch))
         self.tokens = input_ids
         self.lengths = [width] * batch
+        if attention_mask is not None:  # any dtype plain `generate` takes (bool, int, float): 0 / 1 longs here
+            attention_mask = (attention_mask != 0).long()
         padded = attention_mask is not None and not bool(attention_mask.all())
         self.prompt_mask = attention_mask if padded else None  # (b, W)
         # Target (and drafter) cache layout: `slots` slots per row; `cache_mask` (b, slots) marks the row's own tokens
@@ -237,6 +239,21 @@ class RowBatch:
         for row, sequence in enumerate(rows):
             out[row, : len(sequence)] = sequence
         return out
+
+    def scores_so_far(self, scores: torch.Tensor, asked: list[int], prefix_length: int) -> tuple[torch.Tensor, ...]:
+        """What plain `generate` (with output_scores) hands a stopping criterion at `prefix_length`: the processed
+        scores of every step so far, (batch, V) each. Rows `asked` (current indices) take their recorded scores, then
+        this step's `scores` (b, m, V); every other row of the original batch holds the padding distribution."""
+        padding = torch.full_like(scores[0, 0], float("-inf"))
+        padding[self.pad_token_id] = 0.0
+        steps = []
+        for step in range(prefix_length - self.prompt_width):
+            values = [padding] * self.batch_size
+            for i in asked:
+                history = self.scores[self.rows[i]]
+                values[self.rows[i]] = history[step] if step < len(history) else scores[i, step - len(history)]
+            steps.append(torch.stack(values))
+        return tuple(steps)
 
     def per_token(self, values: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
         """Scores or logits as plain `generate` returns them: one (batch, V) tensor per generated position. A row that

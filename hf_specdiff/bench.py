@@ -577,9 +577,12 @@ def _environment(target, config) -> dict:
 
     device = config.device
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or platform.machine()
-    return {"device": device, "device_name": name, "cpu_count": os.cpu_count(), "dtype": config.dtype,
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "target": target.config.name_or_path or type(target).__name__}
+    from . import __version__
+
+    return {"device": device, "device_name": name, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "dtype": config.dtype, "model_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+            "torch": torch.__version__, "transformers": transformers.__version__, "hf_specdiff": __version__,
+            "python": platform.python_version(), "target": target.config.name_or_path or type(target).__name__}
 
 
 def _prompt_source(result: dict) -> str:

@@ -2,7 +2,7 @@
 
 Every batch size sees the same prompts (the bench's seeded order), cut into consecutive batches of that size; a tail
 shorter than the size is left out, so every measured call holds a full batch (each size reports how many prompts it
-used). Prompts are left-padded to the longest of their batch. Within a batch the methods run back to back, so drift
+used; with a prompt count that is not a multiple of every size, the sizes measure different prefixes of that order). Prompts are left-padded to the longest of their batch. Within a batch the methods run back to back, so drift
 hits them alike; one warm-up call per batch size and method (which also pays for any compilation) is excluded.
 
 Per batch size and method: tokens/s (each row's tokens up to its first stop token, over the wall time of the calls),

@@ -31,6 +31,15 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 
+def embedding_sample(target) -> list[float]:
+    """32 entries of `target`'s input embedding table (8 rows x 4 columns spread over it, float32): a fingerprint of
+    the target a drafter is trained with."""
+    weight = target.get_input_embeddings().weight.detach()
+    rows = torch.linspace(0, weight.shape[0] - 1, 8).long().to(weight.device)
+    columns = torch.linspace(0, weight.shape[1] - 1, 4).long().to(weight.device)
+    return [round(float(v), 6) for v in weight[rows][:, columns].float().flatten().cpu()]
+
+
 @strict
 class DFlashConfig(Qwen3Config):
     r"""Configuration of a dFlash drafter: a Qwen3 config plus the dFlash fields, stored as z-lab stores them.
@@ -44,11 +53,16 @@ class DFlashConfig(Qwen3Config):
             outputs (`hidden_states[id + 1]`) form the context features.
         num_target_layers (`int`, *optional*):
             Number of decoder layers of the target the drafter was trained for (checked at generate time).
+        target_embedding_sample (`list[float]`, *optional*):
+            A few entries of that target's input embedding table (`embedding_sample`): the drafter reads through the
+            target's embedding and lm_head, so another target of the same shapes would get drafts it rarely accepts;
+            generate warns when they differ.
     """
 
     block_size: int = 16
     dflash_config: dict | None = None
     num_target_layers: int | None = None
+    target_embedding_sample: list[float] | None = None
 
     def __post_init__(self, **kwargs):
         self.dflash_config = dict(self.dflash_config or {})

@@ -25,6 +25,7 @@ which removes the per-kernel launch cost that bounds a small target's eager deco
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 import types
@@ -97,17 +98,22 @@ def verify_sampling(target_scores: torch.Tensor, draft_scores: torch.Tensor, can
     return torch.cat([candidates, bonus], dim=1).scatter(1, num_accepted[:, None], bonus), num_accepted
 
 
-def first_stop(new_tokens, emitted, rows, stopping_criteria, generation_config, scores=None):
+def first_stop(new_tokens, emitted, rows, stopping_criteria, generation_config, scores):
     """Per row, the index (into its new tokens) of the token at which plain `generate` would have stopped, or None.
 
-    Row i emitted `new_tokens[i, :emitted[i]]`, and `rows.tokens[i, :rows.lengths[i]]` already ends with them. EOS and
-    max length are checked on the whole run at once; any other criterion (stop strings, user criteria) is asked for
-    every prefix, as plain decoding would ask it: one call per prefix length, with the whole original batch, each
-    row in its place (`rows.rows`), rows without a prefix of that length as filler."""
+    Row i emitted `new_tokens[i, :emitted[i]]`, and `rows.tokens[i, :rows.lengths[i]]` already ends with them;
+    `scores` (b, m, V) are the processed scores each was chosen from when the caller keeps scores (output_scores),
+    else None. The criteria are the ones `generate` handed over (a user's EosTokenCriteria or MaxLengthCriteria
+    replaces the one built from the config): EOS and max length are checked on the whole run at once; any other
+    criterion (stop strings, user criteria, subclasses) is asked for every prefix, as plain decoding would ask it: one
+    call per prefix length, with the whole original batch, each row in its place (`rows.rows`), rows without a prefix
+    of that length as filler, and as `scores` what plain decoding passes (None, or with output_scores every step's
+    scores so far). A criterion that counts its calls sees more of them in a ragged batch, one per prefix length."""
     lengths = rows.lengths
     stops: list[list[int]] = [[] for _ in emitted]
-    if (eos := generation_config._eos_token_tensor) is not None:
-        hits = torch.isin(new_tokens, eos.to(new_tokens.device))  # (b, m)
+    eos_ids = [c.eos_token_id.reshape(-1) for c in stopping_criteria if type(c) is EosTokenCriteria]
+    if eos_ids:
+        hits = torch.isin(new_tokens, torch.cat(eos_ids).to(new_tokens.device))  # (b, m)
         first_hit = torch.where(hits.any(dim=1), hits.int().argmax(dim=1), new_tokens.shape[1]).tolist()
         for row, (hit, n) in enumerate(zip(first_hit, emitted)):
             if hit < n:
@@ -116,7 +122,7 @@ def first_stop(new_tokens, emitted, rows, stopping_criteria, generation_config, 
         for row, (length, n) in enumerate(zip(lengths, emitted)):
             if length >= max_length:
                 stops[row].append(n - 1 - (length - max_length))
-    others = [c for c in stopping_criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
+    others = [c for c in stopping_criteria if type(c) not in (EosTokenCriteria, MaxLengthCriteria)]
     if not others:
         return [min(found) if found else None for found in stops]
     starts = [length - n for length, n in zip(lengths, emitted)]  # prefix length before the new tokens
@@ -133,9 +139,10 @@ def first_stop(new_tokens, emitted, rows, stopping_criteria, generation_config, 
             place = [rows.rows[i] for i in asked]  # rows of the original batch
             prefix = rows.tokens.new_zeros(rows.batch_size, prefix_length)
             prefix[place] = rows.tokens[asked, :prefix_length]
+        so_far = None if scores is None else rows.scores_so_far(scores, asked, prefix_length)
         fired = torch.zeros(prefix.shape[0], dtype=torch.bool, device=prefix.device)
         for criterion in others:
-            fired = fired | torch.as_tensor(criterion(prefix, scores), dtype=torch.bool, device=prefix.device)
+            fired = fired | torch.as_tensor(criterion(prefix, so_far), dtype=torch.bool, device=prefix.device)
         for i, hit in zip(asked, fired[place].tolist()):
             if hit:
                 stops[i].append(prefix_length - starts[i] - 1)
@@ -172,6 +179,7 @@ def speculative_decoding(
     but its prompt's padding: an exact crop, as in plain speculative decoding (and no mask without padding).
     """
     _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, logits_processor, streamer)
+    generation_config = _with_criteria_max_length(generation_config, stopping_criteria)
     do_sample = generation_config.do_sample
     want_dict = generation_config.return_dict_in_generate
     keep_scores = want_dict and generation_config.output_scores
@@ -256,7 +264,8 @@ def speculative_decoding(
         drafted = [min(num_drafts, generation_config.max_length - n - 1) for n in rows.lengths]  # fit before max length
         emitted = [k + 1 for k in accepted]
         rows.append(new_tokens, emitted)
-        stops = first_stop(new_tokens, emitted, rows, stopping_criteria, generation_config)
+        stops = first_stop(new_tokens, emitted, rows, stopping_criteria, generation_config,
+                           target_scores if keep_scores else None)
         kept = rows.stop(stops, emitted)
         if not first:
             stats.add_step(rows.rows, kept, drafted, accepted)
@@ -286,6 +295,17 @@ def speculative_decoding(
         # A batch's cache has per-row holes and lacks the rows that finished early: only a single row's is usable.
         **{_compat.generate_output_cache_field(): cache if input_ids.shape[0] == 1 else None},
     )
+
+
+def _with_criteria_max_length(generation_config, stopping_criteria):
+    """The generation config with the max length plain decoding stops at: that of the MaxLengthCriteria `generate`
+    handed over, where a user's replaced the one built from the config (the loop sizes drafts and caches by it)."""
+    limits = [c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria]
+    if not limits or min(limits) == generation_config.max_length:
+        return generation_config
+    generation_config = copy.copy(generation_config)
+    generation_config.max_length = min(limits)
+    return generation_config
 
 
 # Model inputs `generate` prepares that the loop handles itself (positions and the cache are rebuilt per step).

@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .dflash import DFlashConfig, DFlashDraftModel, spread_layer_ids
+from .dflash import DFlashConfig, DFlashDraftModel, embedding_sample, spread_layer_ids
 from .markov import MarkovConfig, MarkovHead
 from .xpress import XPressConfig, XPressRefiner
 
@@ -101,6 +102,18 @@ class Speculator(nn.Module):
                 f"The drafter's mask token id {drafter.mask_token_id} is outside the target's embedding table "
                 f"({target.get_input_embeddings().weight.shape[0]} rows)."
             )
+        if drafter.target_embedding_sample is not None:
+            trained_for, this_target = torch.tensor(drafter.target_embedding_sample), torch.tensor(embedding_sample(target))
+            # loose enough for another precision or quantisation of the same weights, not for another model
+            if trained_for.shape != this_target.shape or bool(
+                (trained_for - this_target).abs().max() > 0.1 * trained_for.abs().mean()
+            ):
+                warnings.warn(
+                    "This speculator was trained for a target with other embeddings (its recorded sample of the "
+                    "embedding table differs from this target's): its drafts will rarely be accepted, so speculation "
+                    "will be slow. The output is unchanged (speculation is lossless). Use a speculator trained for "
+                    "this target (`hf-specdiff train`).", stacklevel=3,
+                )
         target_param = target.get_output_embeddings().weight
         placements = {(p.device, p.dtype) for p in self.parameters()}
         if placement and len(placements) > 1:  # e.g. a refiner loaded apart and not moved with the drafter
@@ -323,6 +336,7 @@ class AutoSpeculator:
             block_size=block_size,
             num_target_layers=text.num_hidden_layers,
             dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+            target_embedding_sample=embedding_sample(target),
             architectures=["DFlashDraftModel"],
             use_cache=False,
         )

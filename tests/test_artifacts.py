@@ -315,3 +315,28 @@ def test_components_must_agree():
     other = make_speculator(target, block_size=4)
     with pytest.raises(ValueError, match="block size 4"):
         Speculator(speculator.drafter, refiner=other.refiner)
+
+
+def test_a_speculator_warns_on_a_target_it_was_not_trained_for(tmp_path):
+    """The drafter records a sample of its target's embedding table. The same target (saved and loaded, or in
+    another precision) passes quietly; another model of the same shapes gets a warning that drafts will rarely be
+    accepted, and generate still gives that model's own greedy output."""
+    import warnings
+
+    target = hf_specdiff.enable(make_target(seed=0))
+    speculator = AutoSpeculator.from_target(target, block_size=8, seed=0)
+    assert len(speculator.drafter.config.target_embedding_sample) == 32
+    speculator.save_pretrained(tmp_path / "spec")
+    loaded = AutoSpeculator.from_pretrained(tmp_path / "spec").to(torch.float64)
+    assert loaded.drafter.config.target_embedding_sample == speculator.drafter.config.target_embedding_sample
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded.check_compatible(target)
+        loaded.to(torch.bfloat16).check_compatible(target.to(torch.bfloat16))
+    loaded.to(torch.float64)
+    target.to(torch.float64)
+    other = hf_specdiff.enable(make_target(seed=1))
+    prompt = torch.tensor([[3, 4, 5]])
+    with pytest.warns(UserWarning, match="trained for a target with other embeddings.*output is unchanged"):
+        out = other.generate(prompt, max_new_tokens=8, do_sample=False, assistant_model=loaded, speculation="dflash")
+    assert torch.equal(out, other.generate(prompt, max_new_tokens=8, do_sample=False))

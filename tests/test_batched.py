@@ -194,6 +194,43 @@ def test_stop_strings_per_row(eos_token_id):
                           stop_strings=["m"], tokenizer=tokenizer)
 
 
+def test_criteria_the_user_passes_are_the_ones_that_stop():
+    """A user's EosTokenCriteria or MaxLengthCriteria replaces the one `generate` builds from the config, and a
+    subclass of one is asked as any other criterion; a criterion may read the scores of the token it judges; a float
+    attention mask is a mask like any other. Each as plain batched `generate` does it."""
+    from transformers.generation.stopping_criteria import (
+        EosTokenCriteria,
+        MaxLengthCriteria,
+        StoppingCriteria,
+        StoppingCriteriaList,
+    )
+
+    class ExtraStopTokens(EosTokenCriteria):
+        pass
+
+    class ConfidentStop(StoppingCriteria):  # reads the scores plain generate passes (output_scores: every step's)
+        def __call__(self, input_ids, scores, **kwargs):
+            return scores[-1].softmax(dim=-1).max(dim=-1).values > 0.2
+
+    target = hf_specdiff.enable(make_successor_target(layer_scale=0.0, eos_token_id=40))
+    speculator = make_speculator(target, block_size=8, oracle=True)
+    prompts = [torch.tensor([10, 11]), torch.tensor([3, 4, 5])]
+    ids, mask = left_pad(prompts)
+    unstopped = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    options = dict(do_sample=False, max_new_tokens=12, output_scores=True, return_dict_in_generate=True)
+    for criterion in (EosTokenCriteria(17), ExtraStopTokens(17), MaxLengthCriteria(max_length=7), ConfidentStop()):
+        criteria = StoppingCriteriaList([criterion])
+        plain = target.generate(ids, attention_mask=mask, stopping_criteria=criteria, **options).sequences
+        out = speculate(target, speculator, "xpress", ids, mask, stopping_criteria=criteria, **options).sequences
+        assert torch.equal(out, plain), f"{type(criterion).__name__}: {out.tolist()} != {plain.tolist()}"
+        assert not torch.equal(out, unstopped), type(criterion).__name__  # it did stop something
+    ids, mask = left_pad([torch.tensor([3, 4, 5, 6, 7, 8, 9, 10, 11]), torch.tensor([30])])
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    for dtype in (torch.float32, torch.bool, torch.int32):
+        out = speculate(target, speculator, "xpress", ids, mask.to(dtype), do_sample=False, max_new_tokens=30)
+        assert torch.equal(out.sequences, plain), dtype
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_position_dependent_processors_on_ragged_rows(method):
     """Repetition penalty and min_new_tokens score each row's drafts against its own prefix and length."""
