@@ -162,8 +162,12 @@ def test_bad_diffusion_bench_inputs_are_clear_errors(tmp_path):
     model = AutoDiffusionLM.from_pretrained(tmp_path / "dlm")
     with pytest.raises(ValueError, match="needs its tokenizer: pass tokenizer="):
         run_diffusion_bench(BenchConfig(methods=["steps"]), model=model)
+    with pytest.raises(ValueError, match="--limit must be >= 0"):
+        run_diffusion_bench(BenchConfig(target=str(tmp_path / "dlm"), methods=["steps"], limit=-1))
+    everything = SimpleNamespace(calibration={"datasets": ["gsm8k"], "prompt_seed": 0, "limit": 0})  # all of GSM8K
     with pytest.raises(ValueError, match="No prompts to measure"):
-        run_diffusion_bench(BenchConfig(target=str(tmp_path / "dlm"), methods=["steps"], limit=0))
+        run_diffusion_bench(BenchConfig(target=str(tmp_path / "dlm"), methods=["steps"], datasets=["gsm8k"], limit=3),
+                            graph=everything)
 
     data = tmp_path / "data"  # gsm8k only: the graph below was calibrated on math500 and mbpp
     data.mkdir()
