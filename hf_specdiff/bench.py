@@ -11,8 +11,9 @@ Per method: tokens/s and speedup over `ar` measured in the same run; prefill (ti
 and the decode rate after it; whether transformers compiled the forward; for our speculative methods tau (mean
 tokens per target forward after the prefill, bonus included), acceptance by block position, draft/refine/verify
 time per step in the steady state (the prefill forward and the first block's drafter pass over the prompt apart:
-`prefill_forward_ms`, `draft_prefill_ms`) and target forwards. Losslessness against `ar`: greedy runs compare token by token (raw mismatches,
-and those not explained by a near-tie of the target's logits in floating point; the second must be 0); sampled
+`prefill_forward_ms`, `draft_prefill_ms`) and target forwards. Losslessness against `ar`: greedy runs compare token
+by token (raw mismatches, and those not explained by a near-tie of the target's logits in floating point; the second
+must be 0); sampled
 runs (`temperature > 0`) compare the target's mean log-probability of the generated tokens with a paired
 permutation test over prompts (`sampling_check`, see `paired_permutation_test`).
 """
@@ -107,6 +108,11 @@ def find_data_dir(explicit: str | None) -> Path:
     )
 
 
+def _check_limit(limit: int) -> None:
+    if limit < 0:
+        raise ValueError(f"--limit must be >= 0 (prompts per dataset or from --prompts; 0: all), got {limit}.")
+
+
 def read_prompts_file(path: str) -> list[dict]:
     """The rows of a --prompts file: one JSON object per line with a `prompt` string or a `messages` list of
     {"role", "content"} dicts (not both); a bad line is named by file:line."""
@@ -140,8 +146,7 @@ def read_prompts_file(path: str) -> list[dict]:
 def load_rows(config: BenchConfig) -> list[tuple[str, dict]]:
     """[(dataset, row)] with `limit` rows per dataset drawn in a seeded order ("custom" rows from --prompts, in the
     file's order)."""
-    if config.limit < 0:
-        raise ValueError(f"--limit must be >= 0 (prompts per dataset or from --prompts; 0: all), got {config.limit}.")
+    _check_limit(config.limit)
     if config.prompts:
         return [("custom", row) for row in read_prompts_file(config.prompts)[: config.limit or None]]
     unknown = [d for d in config.datasets if d not in DATASETS]
@@ -326,8 +331,7 @@ def load_models(config: BenchConfig, target=None, tokenizer=None, speculator=Non
 
 def check_bench_config(config: BenchConfig, methods: tuple[str, ...]) -> None:
     """Options that would be ignored, miscounted or fail late raise here, before any model loads."""
-    if config.limit < 0:
-        raise ValueError(f"--limit must be >= 0 (prompts per dataset or from --prompts; 0: all), got {config.limit}.")
+    _check_limit(config.limit)
     if config.temperature < 0:
         raise ValueError(f"--temperature must be >= 0 (0: greedy), got {config.temperature}.")
     if not isinstance(getattr(torch, config.dtype, None), torch.dtype):

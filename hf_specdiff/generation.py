@@ -111,9 +111,8 @@ def first_stop(new_tokens, emitted, rows, stopping_criteria, generation_config, 
     scores so far). A criterion that counts its calls sees more of them in a ragged batch, one per prefix length."""
     lengths = rows.lengths
     stops: list[list[int]] = [[] for _ in emitted]
-    eos_ids = [c.eos_token_id.reshape(-1) for c in stopping_criteria if type(c) is EosTokenCriteria]
-    if eos_ids:
-        hits = torch.isin(new_tokens, torch.cat(eos_ids).to(new_tokens.device))  # (b, m)
+    if (eos := generation_config._eos_token_tensor) is not None:  # the criteria's (`_as_criteria_stop`)
+        hits = torch.isin(new_tokens, eos.to(new_tokens.device))  # (b, m)
         first_hit = torch.where(hits.any(dim=1), hits.int().argmax(dim=1), new_tokens.shape[1]).tolist()
         for row, (hit, n) in enumerate(zip(first_hit, emitted)):
             if hit < n:
@@ -179,7 +178,7 @@ def speculative_decoding(
     but its prompt's padding: an exact crop, as in plain speculative decoding (and no mask without padding).
     """
     _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, logits_processor, streamer)
-    generation_config = _with_criteria_max_length(generation_config, stopping_criteria)
+    generation_config = _as_criteria_stop(generation_config, stopping_criteria)
     do_sample = generation_config.do_sample
     want_dict = generation_config.return_dict_in_generate
     keep_scores = want_dict and generation_config.output_scores
@@ -297,14 +296,15 @@ def speculative_decoding(
     )
 
 
-def _with_criteria_max_length(generation_config, stopping_criteria):
-    """The generation config with the max length plain decoding stops at: that of the MaxLengthCriteria `generate`
-    handed over, where a user's replaced the one built from the config (the loop sizes drafts and caches by it)."""
+def _as_criteria_stop(generation_config, stopping_criteria):
+    """The generation config with the EOS ids and max length plain decoding stops at: those of the EosTokenCriteria
+    and MaxLengthCriteria `generate` handed over, where a user's replaced the one built from the config (the loop
+    sizes drafts and caches by the max length, and `first_stop` reads both from here, once per call)."""
     limits = [c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria]
-    if not limits or min(limits) == generation_config.max_length:
-        return generation_config
-    generation_config = copy.copy(generation_config)
-    generation_config.max_length = min(limits)
+    eos_ids = [c.eos_token_id.reshape(-1) for c in stopping_criteria if type(c) is EosTokenCriteria]
+    generation_config = copy.copy(generation_config)  # the caller's stays as it was
+    generation_config.max_length = min(limits) if limits else generation_config.max_length
+    generation_config._eos_token_tensor = torch.cat(eos_ids) if eos_ids else None
     return generation_config
 
 
