@@ -232,7 +232,7 @@ def first_divergence_gap(model, ids, decoding, reference, sequences, eos) -> flo
     with drafts) could flip the decision: a near-tie, not a bug. Re-runs ordinary decoding with a recorder; None for
     decoding whose decisions are driven by noise (temperature > 0, random remasking)."""
     from .diffusion import diffusion_generate
-    from .diffusion.decoding import confidence, without_mask_token
+    from .diffusion.decoding import Canvas, confidence, without_mask_token
 
     if decoding.temperature > 0 or decoding.remasking == "random":
         return None
@@ -241,8 +241,8 @@ def first_divergence_gap(model, ids, decoding, reference, sequences, eos) -> flo
     n = min(len(a), len(b))
     diverged = (a[:n] != b[:n]).nonzero()
     first = int(diverged[0, 0]) if len(diverged) else n
-    fill = (-prompt_length) % block_length if model.block_causal else 0  # answer tokens in the prompt's last block
-    block = 0 if first < fill else (first - fill) // block_length + int(fill > 0)
+    layout = Canvas(model, ids, None, decoding)  # where decoding puts answer token `first`, block by block
+    block = (int(layout.answer_start[0]) + first - layout.start) // block_length
     log_odds = decoding.remasking == "low_confidence"
     if decoding.threshold is not None:
         t = torch.tensor(decoding.threshold, dtype=torch.float64)
