@@ -313,17 +313,17 @@ _HANDLED_MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "past_key_va
 
 
 def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, logits_processor=None, streamer=None):
-    """What speculative decoding cannot do raises here, before any work."""
+    """What speculative decoding cannot do raises here, before any work. `input_ids` is already expanded: with
+    num_return_sequences=n (sampling) each prompt is n rows of the batch, each decoded on its own."""
     batch_size = input_ids.shape[0]
+    copies = generation_config.num_return_sequences or 1
+    batch = f"a batch of {batch_size}"
+    if copies > 1:
+        batch += f" ({batch_size // copies} prompts x num_return_sequences={copies})"
     if (generation_config.num_beams or 1) > 1:
         raise ValueError(
             f"speculation=... cannot be combined with beam search (num_beams={generation_config.num_beams}); "
             "use num_beams=1."
-        )
-    if (generation_config.num_return_sequences or 1) > 1:
-        raise ValueError(
-            "speculation=... supports num_return_sequences=1 only for now; got "
-            f"{generation_config.num_return_sequences}. Repeat the prompt in the batch instead."
         )
     for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "assistant_ensemble_weight"):
         if getattr(generation_config, name, None):
@@ -355,7 +355,7 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
     if generation_config.cache_implementation == "static":
         if batch_size > 1:
             raise ValueError(
-                f"speculation=... with cache_implementation='static' decodes one sequence; got a batch of {batch_size}. "
+                f"speculation=... with cache_implementation='static' decodes one sequence; got {batch}. "
                 "Use the default dynamic cache for batches, or generate row by row."
             )
         if sliding := sorted(_attention_types(model.config.get_text_config()) - {"full_attention"}):
@@ -391,7 +391,7 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
     if batch_size > 1:
         if streamer is not None:
             raise ValueError(
-                f"speculation=... streams a single sequence; got a batch of {batch_size} with a streamer. Drop "
+                f"speculation=... streams a single sequence; got {batch} with a streamer. Drop "
                 "`streamer` or generate row by row."
             )
         other_attention = sorted(_attention_types(model.config.get_text_config()) - {"full_attention"})

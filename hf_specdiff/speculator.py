@@ -60,7 +60,9 @@ class Speculator(nn.Module):
         # enabled, so say how to use a speculator instead of failing somewhere inside transformers.
         raise TypeError(
             "A Speculator is used through hf_specdiff: call hf_specdiff.enable(model) once, then "
-            "model.generate(..., assistant_model=speculator, speculation='xpress' | 'dflash' | 'markov')."
+            "model.generate(..., assistant_model=speculator, speculation='xpress' | 'dflash' | 'markov'). With a "
+            "pipeline, enable its model and pass both to the call, pipe(..., assistant_model=speculator, "
+            "speculation=...), not to pipeline(): transformers' pipeline expects an assistant language model there."
         )
 
     @property

@@ -375,6 +375,39 @@ def test_batched_negative_control_broken_verifier_is_caught(sampling_setup, monk
     assert max(p_values) < 1e-6, f"a verifier that accepts every draft must be detected in every row, got p={p_values}"
 
 
+@pytest.mark.slow
+def test_num_return_sequences_draws_independent_samples_from_the_target(sampling_setup):
+    """num_return_sequences=3 on a ragged batch of two prompts: generate expands each prompt into 3 rows. Every
+    sample follows the target (chi-square against the exact distribution), and the copies of one prompt are
+    independent draws: copies 0 and 1 coincide as often as two independent samples do (sum of p(x)^2), not always
+    as copies that shared their randomness would."""
+    target, speculator = sampling_setup
+    copies, draws = 3, 1000
+    ids, mask = left_pad(SAMPLING_PROMPTS)
+    counts = [{} for _ in SAMPLING_PROMPTS]
+    collisions = [0 for _ in SAMPLING_PROMPTS]
+    torch.manual_seed(0)
+    for _ in range(draws):
+        out = speculate(target, speculator, "xpress", ids, mask, do_sample=True, max_new_tokens=NEW_TOKENS,
+                        num_return_sequences=copies)
+        assert out.sequences.shape[0] == len(SAMPLING_PROMPTS) * copies and out.speculation.batch_size == 6
+        samples = out.sequences[:, ids.shape[1] :].view(len(SAMPLING_PROMPTS), copies, NEW_TOKENS).tolist()
+        for prompt, prompt_samples in enumerate(samples):  # generate orders rows prompt by prompt
+            for sample in prompt_samples:
+                counts[prompt][tuple(sample)] = counts[prompt].get(tuple(sample), 0) + 1
+            collisions[prompt] += prompt_samples[0] == prompt_samples[1]
+    for prompt, row_counts, row_collisions in zip(SAMPLING_PROMPTS, counts, collisions):
+        expected = exact_distribution(target, prompt[None], NEW_TOKENS)
+        p_value = chi_square_p_value(row_counts, expected, draws * copies)
+        assert p_value > 1e-3, f"prompt {prompt.tolist()}: samples do not follow the target (p={p_value:.2e})"
+        collision_rate = sum(p * p for p in expected.values())
+        spread = (draws * collision_rate * (1 - collision_rate)) ** 0.5
+        assert abs(row_collisions - draws * collision_rate) < 5 * spread + 3, (
+            f"prompt {prompt.tolist()}: copies coincided {row_collisions} times in {draws}, independent draws would "
+            f"about {draws * collision_rate:.0f} times"
+        )
+
+
 # -- errors ----------------------------------------------------------------------------------------------------------
 
 

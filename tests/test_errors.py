@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import make_speculator, make_target
 from transformers import GenerationMixin, LlamaForCausalLM, StaticCache
+from transformers.generation.streamers import BaseStreamer
 
 import hf_specdiff
 from hf_specdiff import AutoSpeculator
@@ -34,7 +35,9 @@ def generate(target, speculator, **kwargs):
     "kwargs,message",
     [
         (dict(num_beams=2), "beam search"),
-        (dict(num_return_sequences=2, do_sample=True), "num_return_sequences=1"),
+        (dict(num_return_sequences=2, do_sample=True, cache_implementation="static"),
+         r"decodes one sequence; got a batch of 2 \(1 prompts x num_return_sequences=2\)"),
+        (dict(num_return_sequences=2, do_sample=True, streamer=BaseStreamer()), "num_return_sequences=2.*with a streamer"),
         (dict(use_cache=False), "needs the KV cache"),
         (dict(cache_implementation="offloaded"), "rolled back"),
         (dict(output_attentions=True, return_dict_in_generate=True), "attentions or hidden states"),

@@ -110,6 +110,28 @@ def test_shipped_speculator_loads_and_is_lossless(smollm):
         assert_greedy_equivalent(plain, spec, inputs["input_ids"].shape[1])
 
 
+def test_text_generation_pipeline_with_a_speculator(smollm):
+    """A user's pipeline keeps working: enable its model and pass the speculator to the call. A batch of two chats
+    (the pipeline pads them on the left) gives plain greedy's answers; sampling with num_return_sequences gives each
+    chat that many answers. Passing the speculator to pipeline() itself says where it goes instead."""
+    from transformers import pipeline
+
+    target, tokenizer, _ = smollm
+    shipped = AutoSpeculator.from_pretrained(hf_specdiff.default_speculator_path()).to(target.dtype)
+    pipe = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    chats = [[{"role": "user", "content": question}] for question in questions(2)]
+    kwargs = dict(max_new_tokens=30, do_sample=False, batch_size=2)
+    plain = pipe(chats, **kwargs)
+    spec = pipe(chats, assistant_model=shipped, speculation="xpress", **kwargs)
+    assert spec == plain and all(answer[0]["generated_text"][-1]["content"] for answer in spec)
+    torch.manual_seed(0)
+    sampled = pipe(chats, assistant_model=shipped, speculation="xpress", max_new_tokens=8, do_sample=True,
+                   num_return_sequences=2, batch_size=2)
+    assert [len(answers) for answers in sampled] == [2, 2]
+    with pytest.raises(TypeError, match="pass both to the call"):
+        pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=shipped)
+
+
 def test_shipped_diffusion_lm_loads_in_one_call_and_spiffy_is_lossless():
     """The diffusion LM shipped for the embedded target: its folder is complete and small, it loads with one call
     (base loaded, adapter merged), and Spiffy with its shipped graph gives ordinary decoding's output in fewer or as
