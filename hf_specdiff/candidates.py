@@ -46,8 +46,9 @@ _POSITION_FREE_PROCESSORS = (
 
 
 def position_free(processors: LogitsProcessorList | None) -> bool:
-    """Whether every processor scores a position without reading the tokens before it (true with none)."""
-    return all(isinstance(p, _POSITION_FREE_PROCESSORS) for p in processors or [])
+    """Whether every processor scores a position without reading the tokens before it (true with none). Exact
+    types only: a subclass may override `__call__` and read the prefix."""
+    return all(type(p) in _POSITION_FREE_PROCESSORS for p in processors or [])
 
 
 def apply_position_free(processors: LogitsProcessorList, logits: torch.Tensor) -> torch.Tensor:

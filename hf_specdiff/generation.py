@@ -39,7 +39,11 @@ from transformers.generation.stopping_criteria import (
     StoppingCriteriaList,
     StopStringCriteria,
 )
-from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
+from transformers.generation.logits_process import (
+    PrefixConstrainedLogitsProcessor,
+    SynthIDTextWatermarkLogitsProcessor,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import _compat
@@ -308,6 +312,13 @@ def _as_criteria_stop(generation_config, stopping_criteria):
     return generation_config
 
 
+# transformers' logits processors that keep state across calls, and the option that builds each
+_STATEFUL_PROCESSORS = {
+    SynthIDTextWatermarkLogitsProcessor: "`watermarking_config` (SynthID)",
+    UnbatchedClassifierFreeGuidanceLogitsProcessor: "`guidance_scale`",
+}
+
+
 # Model inputs `generate` prepares that the loop handles itself (positions and the cache are rebuilt per step).
 _HANDLED_MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep"}
 
@@ -328,13 +339,10 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
     for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "assistant_ensemble_weight"):
         if getattr(generation_config, name, None):
             raise ValueError(f"speculation=... replaces transformers' assisted decoding; remove `{name}`.")
-    # decoding modes the loop would silently replace by greedy / sampling, and processors that keep state per call
-    # (the loop calls the processors once per draft position, rejected drafts included, so that state would drift)
+    # decoding modes the loop would silently replace by greedy / sampling (stateful processors: below)
     unsupported_options = {
         "penalty_alpha": "contrastive search",
         "dola_layers": "DoLa decoding",
-        "guidance_scale": "classifier-free guidance (its processor keeps per-call state)",
-        "watermarking_config": "watermarking (its processor keeps per-call state)",
         "token_healing": "token healing",
         "prefill_chunk_size": "chunked prefill",
     }
@@ -345,6 +353,18 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
         if name == "penalty_alpha" and not (value > 0 and (generation_config.top_k or 0) > 1):
             continue  # contrastive search runs only with both
         raise ValueError(f"speculation=... does not support {what}; remove `{name}` (plain generate supports it).")
+    # The loop scores every draft position, rejected drafts included, and scores a position again after a rejection:
+    # a processor must be a function of (input_ids, scores). transformers' processors that keep state across calls
+    # would drift from plain decoding's (whether built from the config or passed in `logits_processor`).
+    for processor in logits_processor or []:
+        for stateful, option in _STATEFUL_PROCESSORS.items():
+            if isinstance(processor, stateful):
+                raise ValueError(
+                    f"speculation=... cannot use {type(processor).__name__}: it keeps state across calls, and "
+                    "speculative decoding also scores drafts that are then rejected, so that state would drift. "
+                    f"Remove {option} or the processor (plain generate supports it; a WatermarkingConfig watermark "
+                    "is stateless and works)."
+                )
     if generation_config.use_cache is False:
         raise ValueError("speculation=... needs the KV cache; remove use_cache=False.")
     if generation_config.cache_implementation not in (None, "dynamic", "static"):
@@ -370,7 +390,8 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
         )
     unsupported = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _HANDLED_MODEL_KWARGS)
     if unsupported:
-        raise ValueError(f"speculation=... does not support the model inputs {unsupported}; remove them.")
+        hint = " (pass the prompt as input_ids instead)" if "inputs_embeds" in unsupported else ""
+        raise ValueError(f"speculation=... does not support the model inputs {unsupported}; remove them{hint}.")
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         if bool((mask[:, 1:] < mask[:, :-1]).any()):

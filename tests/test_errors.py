@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import make_speculator, make_target
-from transformers import GenerationMixin, LlamaForCausalLM, StaticCache
+from transformers import GenerationMixin, LlamaForCausalLM, StaticCache, SynthIDTextWatermarkingConfig
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specdiff
@@ -52,8 +52,10 @@ def generate(target, speculator, **kwargs):
         (dict(synced_gpus=True), "synced_gpus"),
         (dict(penalty_alpha=0.6, top_k=4), "contrastive search; remove `penalty_alpha`"),
         (dict(dola_layers="high"), "DoLa decoding"),
-        (dict(guidance_scale=1.5), "classifier-free guidance"),
-        (dict(watermarking_config={"bias": 2.5}), "watermarking"),
+        (dict(guidance_scale=1.5), "ClassifierFreeGuidance.*keeps state.*Remove `guidance_scale`"),
+        (dict(watermarking_config=SynthIDTextWatermarkingConfig(keys=[3, 5, 7], ngram_len=2)),
+         "SynthIDTextWatermarkLogitsProcessor.*keeps state.*Remove `watermarking_config` \\(SynthID\\)"),
+        (dict(inputs_embeds=torch.zeros(1, 5, 64, dtype=torch.float64)), "inputs_embeds.*pass the prompt as input_ids"),
         (dict(token_healing=True), "token healing"),
         (dict(prefill_chunk_size=4), "chunked prefill"),
     ],
@@ -61,6 +63,15 @@ def generate(target, speculator, **kwargs):
 def test_unsupported_generate_arguments(target, speculator, kwargs, message):
     with pytest.raises(ValueError, match=message):
         generate(target, speculator, **kwargs)
+
+
+def test_stateful_processors_passed_by_the_user_are_refused(target, speculator):
+    from transformers import LogitsProcessorList, SynthIDTextWatermarkLogitsProcessor
+
+    synth_id = SynthIDTextWatermarkLogitsProcessor(ngram_len=2, keys=[3, 5, 7], sampling_table_size=256,
+                                                   sampling_table_seed=0, context_history_size=64, device="cpu")
+    with pytest.raises(ValueError, match="keeps state across calls.*Remove .* or the processor"):
+        generate(target, speculator, logits_processor=LogitsProcessorList([synth_id]))
 
 
 def test_harmless_values_of_refused_options_pass(target, speculator):

@@ -116,6 +116,37 @@ def test_logits_processors_repetition_penalty_and_min_length(method):
         )
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_subclassed_warper_that_reads_the_prefix_gets_it(method):
+    """A user's processor that subclasses a position-free warper (temperature) but also reads input_ids must be
+    scored position by position with the real prefix, not with the warpers' one-token stand-in."""
+    from transformers import LogitsProcessorList
+    from transformers.generation.logits_process import TemperatureLogitsWarper
+
+    class NoImmediateRepeat(TemperatureLogitsWarper):
+        def __call__(self, input_ids, scores):
+            scores = super().__call__(input_ids, scores).clone()
+            scores[torch.arange(len(scores)), input_ids[:, -1]] = -float("inf")
+            return scores
+
+    target = hf_specdiff.enable(make_successor_target())
+    speculator = make_speculator(target, oracle=True)
+    for _, prompt in prompts(count=8, seed=3):
+        assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=20,
+                             logits_processor=LogitsProcessorList([NoImmediateRepeat(1.0)]))
+
+
+def test_stateless_watermark_is_lossless():
+    """WatermarkingConfig's processor seeds itself from the prefix at every call (no state): allowed and exact."""
+    from transformers import WatermarkingConfig
+
+    target = hf_specdiff.enable(make_successor_target())
+    speculator = make_speculator(target, oracle=True)
+    for _, prompt in prompts(count=6, seed=4):
+        assert_same_as_plain(target, speculator, "xpress", prompt, max_new_tokens=20,
+                             watermarking_config=WatermarkingConfig(bias=2.5, context_width=1))
+
+
 def test_user_stopping_criteria_fire_inside_a_block():
     class StopAfter(StoppingCriteria):  # stops when the sequence ends with token 20, like a stop string would
         def __call__(self, input_ids, scores, **kwargs):
