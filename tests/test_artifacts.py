@@ -165,9 +165,29 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
     (run / "train_config.json").write_text(json.dumps({**config.to_dict(), "target": "my-org/my-llama"}))
     with pytest.raises(SystemExit, match="--license is required.*'my-org/my-llama'"):
         main(export + (earlier if continued else []))
-    main(export + (earlier if continued else []) + ["--license", "llama3.1"])
+    # nor are the embedded runs' data and hardware its card's
+    with pytest.raises(SystemExit, match="--data-description is required.*my-org/my-llama"):
+        main(export + (earlier if continued else []) + ["--license", "llama3.1"])
+    own = ["--license", "llama3.1", "--data-description", "my answers", "--train-hardware", "one GPU"]
+    main(export + (earlier if continued else []) + own)
     card = (output / "README.md").read_text()
     assert "base_model: my-org/my-llama" in card and "license: llama3.1" in card
+    assert "# my-llama dFlash + xPress speculator (block 8)" in card and "(my answers)" in card
+    assert "SmolLM2" not in card and "one GPU" in card
+    # a local folder is no Hub base_model; a bench file that is missing or of the other kind is refused before any
+    # file is written
+    (run / "train_config.json").write_text(json.dumps({**config.to_dict(), "target": str(tmp_path)}))
+    with pytest.raises(SystemExit, match="--base-model is required.*local folder"):
+        main(export + (earlier if continued else []) + own)
+    own += ["--base-model", "my-org/my-llama"]
+    fresh = export[:4] + [str(tmp_path / "fresh")] + export[5:] + (earlier if continued else []) + own
+    with pytest.raises(SystemExit, match="--bench-json .*missing.json: cannot read it"):
+        main(fresh + ["--bench-json", str(tmp_path / "missing.json")])
+    (tmp_path / "diffusion_bench.json").write_text(json.dumps({"runs": {"steps": {"nfe": 32}}}))
+    with pytest.raises(SystemExit, match="is a diffusion LM bench; this export is of a speculator"):
+        main(fresh + ["--bench-json", str(tmp_path / "diffusion_bench.json")])
+    assert not (tmp_path / "fresh").exists()
+    (run / "train_config.json").write_text(json.dumps(config.to_dict()))
     with pytest.raises(SystemExit):
         main(export[:-2] + ["--dtype", "bf16"])
     assert "invalid choice: 'bf16'" in capsys.readouterr().err

@@ -54,3 +54,43 @@ def test_bad_config_files_are_refused(tmp_path):
         parse_args(["train", "--config", str(tmp_path / "string.json")])
     (tmp_path / "lists.json").write_text(json.dumps({"data": ["a.jsonl"], "target_layer_ids": None}))
     assert parse_args(["train", "--config", str(tmp_path / "lists.json")]).data == ["a.jsonl"]
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"compile": "false"}, "compile must be true or false"),  # a string would be truthy
+    ({"limit": 2.5}, "limit must be an integer"),  # would be taken as given
+    ({"limit": True}, "limit must be an integer"),
+    ({"batch_size": [1, 2.0]}, "batch_size must be an integer"),
+    ({"temperature": "0.7"}, "temperature must be a number"),
+])
+def test_config_values_of_the_wrong_type_are_refused(tmp_path, values, message):
+    (tmp_path / "bench.json").write_text(json.dumps(values))
+    with pytest.raises(SystemExit, match=message):
+        parse_args(["bench", "--config", str(tmp_path / "bench.json")])
+
+
+def test_config_values_of_the_right_type_pass(tmp_path):
+    (tmp_path / "bench.json").write_text(json.dumps({"compile": False, "temperature": 1, "batch_size": [1, 4]}))
+    args = parse_args(["bench", "--config", str(tmp_path / "bench.json")])
+    assert (args.compile, args.temperature, args.batch_size) == (False, 1, [1, 4])
+
+
+def test_demo_refuses_the_other_modes_flags():
+    from hf_specdiff.cli import main
+
+    with pytest.raises(SystemExit, match="--model, --threshold apply to `hf-specdiff demo --diffusion` only"):
+        main(["demo", "--threshold", "0.5", "--model", "x"])
+    with pytest.raises(SystemExit, match="--speculator is for the speculative demo"):
+        main(["demo", "--diffusion", "--speculator", "x"])
+
+
+def test_calibrate_reads_its_prompts_before_loading_the_model(tmp_path):
+    """A wrong dataset or prompts file fails in seconds, before the (missing) model would load; --prompts exists."""
+    from hf_specdiff.cli import main
+
+    missing_model = ["calibrate", "--model", str(tmp_path / "no-model")]
+    with pytest.raises(ValueError, match="Unknown datasets \\['bogus'\\].*--prompts FILE.jsonl"):
+        main(missing_model + ["--datasets", "bogus"])
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "Hi"}\n{"prompt": 3}\n')
+    with pytest.raises(ValueError, match="prompts.jsonl:2"):
+        main(missing_model + ["--prompts", str(tmp_path / "prompts.jsonl")])

@@ -258,10 +258,18 @@ def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_pat
     output = tmp_path / "shipped"
     template = Path(__file__).parents[1] / "model_cards" / "diffusion_lm.md"
     export = ["export", "--run", str(folder / "run"), "--output", str(output), "--template", str(template)]
+    with pytest.raises(SystemExit, match="--base-model is required.*local folder"):  # no Hub id for the card
+        main(export)
+    export += ["--base-model", "my-org/tiny-base"]
     with pytest.raises(SystemExit, match="--license is required"):  # a base of the user's: its licence is theirs
         main(export)
+    with pytest.raises(SystemExit, match="--data-description is required"):  # nor are the embedded runs' facts its
+        main(export + ["--license", "mit"])
+    export += ["--license", "mit", "--data-description", "toy chats", "--train-hardware", "a laptop"]
+    (tmp_path / "speculator_bench.json").write_text(json.dumps({"runs": {"xpress": {"tau": 1.5}}}))
+    with pytest.raises(SystemExit, match="is a speculator bench; this export is of a diffusion LM"):
+        main(export + ["--bench-json", str(tmp_path / "speculator_bench.json")])
     assert not output.exists()  # refused before anything was written
-    export += ["--license", "mit"]
     main(export)  # default dtype: bfloat16
     tensors = load_file(output / "adapter_model.safetensors")
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
@@ -292,7 +300,11 @@ def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_pat
     assert DraftGraph.from_pretrained(output).nodes == graph.nodes
     card = (output / "README.md").read_text()
     assert f"{len(graph)} nodes calibrated on earlier weights of this folder, not these: recalibrate" in card
-    assert "base_model: " + str((folder / "base").resolve()) in card  # the base the run names
+    assert "base_model: my-org/tiny-base" in card and "# tiny-base masked diffusion LM" in card
+    assert "SmolLM2" not in card and "toy chats" in card
+    with pytest.raises(SystemExit, match="cannot read it as JSON"):  # a typo: nothing replaced, the graph stays theirs
+        main(export + ["--dtype", "bfloat16", "--bench-json", str(tmp_path / "typo.json")])
+    assert {t.dtype for t in load_file(output / "adapter_model.safetensors").values()} == {torch.float32}
     with pytest.raises(SystemExit, match="did not start from one: drop it"):
         main(export + ["--earlier-training", "614 steps"])
     with pytest.raises(SystemExit, match="neither speculator/ nor diffusion_lm/"):

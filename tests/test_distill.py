@@ -77,3 +77,86 @@ def test_a_row_cut_off_by_a_killed_run_is_answered_again(tmp_path):
     output.write_text(rows[0] + "\n{not json\n" + rows[1] + "\n")
     with pytest.raises(ValueError, match="answers.jsonl:2 is not a distill row"):
         answered_ids(output)
+
+
+def _prompt_file(path, questions):
+    path.write_text("".join(json.dumps({"id": f"q{i}", "prompt": q}) + "\n" for i, q in enumerate(questions)))
+    return str(path)
+
+
+def test_limit_zero_takes_every_prompt_and_a_negative_limit_is_refused(tmp_path):
+    """As in bench and calibrate, --limit 0 means all prompts (it used to take none and write an empty file), and
+    a negative limit is an error (-1 used to drop each source's last prompt)."""
+    prompts = _prompt_file(tmp_path / "prompts.jsonl", ["a", "b", "c", "d"])
+    (tmp_path / "data" / "gsm8k").mkdir(parents=True)
+    (tmp_path / "data" / "gsm8k" / "train.jsonl").write_text(
+        "".join(json.dumps({"question": f"q{i}", "answer": "1"}) + "\n" for i in range(3)))
+    every = collect_prompts(DistillConfig(sources=[prompts, "gsm8k"], data_dir=str(tmp_path / "data"), limit=0))
+    assert sorted(i for i, _ in every) == ["gsm8k-train-0", "gsm8k-train-1", "gsm8k-train-2", "q0", "q1", "q2", "q3"]
+    assert len(collect_prompts(DistillConfig(sources=[prompts], limit=2))) == 2
+    with pytest.raises(ValueError, match=r"--limit must be >= 0 \(prompts per source; 0: all\), got -1"):
+        collect_prompts(DistillConfig(sources=[prompts], limit=-1))
+
+
+@pytest.mark.parametrize("case, match", [
+    ("unknown source", r"Unknown prompt source 'imagenet': use gsm8k, sharegpt or the path of a JSONL file"),
+    ("missing file", r"missing\.jsonl: no such file.*gsm8k, sharegpt"),
+    ("missing data dir", r"--sources gsm8k: --data-dir .*nowhere has no gsm8k/ folder.*drop gsm8k"),
+    ("no data found", r"--sources gsm8k: No benchmark data found.*HF_SPECDIFF_DATA.*drop gsm8k"),
+    ("no train split", r"--sources gsm8k needs .*train\.jsonl.*--data-dir"),
+    ("bad dtype", r"--dtype 'fp16' is not a torch dtype; use float32, bfloat16 or float16"),
+    ("negative limit", r"--limit must be >= 0"),
+    ("zero batch", r"--batch-size must be >= 1"),
+    ("repeated source", r"--sources lists \['gsm8k'\] more than once"),
+    ("bad prompt line", r"prompts\.jsonl:2 is not JSON"),
+])
+def test_bad_options_fail_before_the_target_loads(tmp_path, monkeypatch, case, match):
+    """Loading a big Hub target takes minutes: a typo in --sources, --data-dir, --dtype or a prompts file must fail
+    before that, not after."""
+    import hf_specdiff.embedded
+
+    def load_default_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the options were checked")
+
+    monkeypatch.setattr(hf_specdiff.embedded, "load_default_target", load_default_target)
+    monkeypatch.delenv("HF_SPECDIFF_DATA", raising=False)
+    monkeypatch.chdir(tmp_path)  # no shared/data here
+    (tmp_path / "empty" / "gsm8k").mkdir(parents=True)
+    prompts = _prompt_file(tmp_path / "prompts.jsonl", ["a"])
+    options = {
+        "unknown source": dict(sources=["imagenet"]),
+        "missing file": dict(sources=[str(tmp_path / "missing.jsonl")]),
+        "missing data dir": dict(sources=["gsm8k"], data_dir=str(tmp_path / "nowhere")),
+        "no data found": dict(sources=["gsm8k"]),
+        "no train split": dict(sources=["gsm8k"], data_dir=str(tmp_path / "empty")),
+        "bad dtype": dict(sources=[prompts], dtype="fp16"),
+        "negative limit": dict(sources=[prompts], limit=-1),
+        "zero batch": dict(sources=[prompts], batch_size=0),
+        "repeated source": dict(sources=["gsm8k", "gsm8k"], data_dir=str(tmp_path / "empty")),
+        "bad prompt line": dict(sources=[prompts]),
+    }[case]
+    if case == "bad prompt line":
+        with open(prompts, "a") as file:
+            file.write('{"prompt": "b",}\n')
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        distill(DistillConfig(**options, output=str(tmp_path / "answers.jsonl"), device="cpu"), progress=False)
+    assert not (tmp_path / "answers.jsonl").exists()
+
+
+def test_a_malformed_prompts_line_is_named_by_file_and_line(tmp_path):
+    """A bad line in a prompts file says file:line and what is wrong instead of a bare JSONDecodeError; rows without
+    an id keep the `<stem>-<line>` ids earlier runs wrote, so resuming still finds them."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')
+    assert sorted(collect_prompts(DistillConfig(sources=[str(prompts)]))) == [("prompts-1", "a"),
+                                                                               ("prompts-3", "b")]
+    for text, match in [
+        ('{"prompt": "a"}\n{"prompt": "b"\n', r"prompts\.jsonl:2 is not JSON \(Expecting ',' delimiter\): write one "
+                                             "JSON object per line"),
+        ('{"prompt": "a"}\n\n["b"]\n', r"prompts\.jsonl:3 needs a `prompt` field"),
+        ('{"prompt": 3}\n', r"prompts\.jsonl:1: `prompt` must be a string, got int"),
+        ("\n\n", r"prompts\.jsonl holds no prompts"),
+    ]:
+        prompts.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            collect_prompts(DistillConfig(sources=[str(prompts)]))

@@ -73,3 +73,12 @@ def test_linear_cost_prints_one_row_per_layout():
     assert set(rows) == {"projection F.linear", "read-out F.linear", "read-out x @ W^T (W^T stored)",
                          "read-out (W @ x^T)^T"}
     assert all(len(values) == 2 and min(values) > 0 for values in rows.values())
+
+
+@pytest.mark.slow
+def test_generate_with_speculator_example_runs():
+    """The first example a user runs: the embedded target with the shipped (bf16) speculator, identical to greedy."""
+    script = NOTEBOOK.parent / "generate_with_speculator.py"
+    out = subprocess.run([sys.executable, str(script), "What is 2+3?", "--max-new-tokens", "12"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "identical to plain greedy: True" in out and "sampled:" in out
