@@ -15,7 +15,7 @@ the target's mean log-probability over rows.
 What bounds the curve: a step verifies b rows x (block + 1) tokens in one forward. While that forward is bound by
 reading the weights it costs about what a forward of b x 1 tokens costs, and every accepted token is nearly free; as
 b grows the forward becomes bound by compute, the rejected draft slots cost real time, and the speedup over plain
-decoding falls towards what the extra accepted tokens pay for (see design.md section 7).
+decoding falls towards what the extra accepted tokens pay for.
 """
 
 from __future__ import annotations

@@ -525,5 +525,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def console_main(argv: list[str] | None = None) -> int:
+    """The `hf-specdiff` entry point: a user's mistake (a bad option value, a missing file or package) ends with its
+    message on one line instead of a traceback; HF_SPECDIFF_TRACEBACK=1 shows the traceback too."""
+    import os
+
+    try:
+        return main(argv)
+    except (ValueError, OSError, ImportError) as error:
+        if os.environ.get("HF_SPECDIFF_TRACEBACK") == "1":
+            raise
+        raise SystemExit(f"hf-specdiff: {type(error).__name__}: {error}") from None
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

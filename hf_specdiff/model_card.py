@@ -97,8 +97,8 @@ def render_diffusion_model_card(template: str | Path, adapter_config: dict, weig
     continued = train_config.get("init_adapter")
     if continued:
         earlier = f": {facts['earlier_training']}" if facts.get("earlier_training") else ""
-        initialisation = (f"Training continued the adapter in `{continued}`, trained for {earlier_steps} steps before"
-                          f"{earlier}. ")
+        # the earlier adapter's folder was a path on the training machine: the card names its steps, not the path
+        initialisation = f"Training continued an earlier adapter, trained for {earlier_steps} steps before{earlier}. "
         start_label = "at the start of this run (the earlier adapter)"
     else:
         initialisation, start_label = "", "before training"

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ._hub import check_folder_or_repo_id
 from .dflash import DFlashConfig, DFlashDraftModel, embedding_sample, spread_layer_ids
 from .markov import MarkovConfig, MarkovHead
 from .xpress import XPressConfig, XPressRefiner
@@ -184,6 +185,7 @@ class Speculator(nn.Module):
         from transformers.utils import cached_file
 
         path_or_repo_id = str(path_or_repo_id)
+        check_folder_or_repo_id(path_or_repo_id, "speculator")
         subfolder = hub_kwargs.get("subfolder") or ""  # the add-ons' subfolders extend it
         manifest = None
         manifest_file = cached_file(

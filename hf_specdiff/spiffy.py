@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ._hub import check_folder_or_repo_id
 from .diffusion.decoding import DiffusionGenerationConfig, confidence, without_mask_token
 
 GRAPH_FORMAT_VERSION = 1
@@ -141,6 +142,7 @@ class DraftGraph:
         if path.is_file():
             file = path
         else:
+            check_folder_or_repo_id(path_or_repo_id, "draft graph")
             file = cached_file(str(path_or_repo_id), GRAPH_FILE, **hub_kwargs)
         try:
             data = json.loads(Path(file).read_text())

@@ -329,6 +329,17 @@ def test_unknown_hub_id_offline_is_a_clear_error():
         AutoSpeculator.from_pretrained("hf-specdiff-tests/does-not-exist")
 
 
+@pytest.mark.parametrize("path", ["/no/such/speculator", "./missing", "runs/x/speculator", "missing/"])
+def test_a_missing_local_path_says_so_for_every_artifact(path):
+    """Not the Hub's "Repo id must be in the form ..." that a path which cannot be a repo id used to get."""
+    from hf_specdiff.diffusion import AutoDiffusionLM
+
+    for load, what in ((AutoSpeculator.from_pretrained, "speculator"), (AutoDiffusionLM.from_pretrained, "diffusion LM"),
+                       (hf_specdiff.DraftGraph.from_pretrained, "draft graph")):
+        with pytest.raises(FileNotFoundError, match=f"No {what} at '{path}': no such folder"):
+            load(path)
+
+
 def test_components_must_agree():
     target = make_target()
     speculator = make_speculator(target)

@@ -94,3 +94,14 @@ def test_calibrate_reads_its_prompts_before_loading_the_model(tmp_path):
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "Hi"}\n{"prompt": 3}\n')
     with pytest.raises(ValueError, match="prompts.jsonl:2"):
         main(missing_model + ["--prompts", str(tmp_path / "prompts.jsonl")])
+
+
+def test_the_console_entry_point_prints_a_users_mistake_on_one_line(monkeypatch):
+    from hf_specdiff.cli import console_main
+
+    monkeypatch.delenv("HF_SPECDIFF_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit, match=r"^hf-specdiff: ValueError: Unknown datasets \['bogus'\]"):
+        console_main(["calibrate", "--model", "x", "--datasets", "bogus"])
+    monkeypatch.setenv("HF_SPECDIFF_TRACEBACK", "1")  # the traceback, for a bug report
+    with pytest.raises(ValueError, match="Unknown datasets"):
+        console_main(["calibrate", "--model", "x", "--datasets", "bogus"])

@@ -44,6 +44,8 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
+from .._hub import check_folder_or_repo_id
+
 OUR_MODEL_TYPE = "hf_specdiff_diffusion_lm"
 
 
@@ -473,6 +475,7 @@ class DiffusionLM(PreTrainedModel):
         from . import adapter_weights
 
         where = str(path_or_repo_id)
+        check_folder_or_repo_id(where, "diffusion LM")
         dtype = _requested_dtype(dtype, hub_kwargs)
         try:
             config_file = cached_file(where, "config.json", **hub_kwargs)
