@@ -367,11 +367,7 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                 )
     if generation_config.use_cache is False:
         raise ValueError("speculation=... needs the KV cache; remove use_cache=False.")
-    if generation_config.cache_implementation not in (None, "dynamic", "static"):
-        raise ValueError(
-            f"speculation=... needs a cache that can be rolled back; cache_implementation="
-            f"{generation_config.cache_implementation!r} cannot. Use the default dynamic cache, or 'static' (batch 1)."
-        )
+    _check_cache_implementation(generation_config.cache_implementation)
     if generation_config.cache_implementation == "static":
         if batch_size > 1:
             raise ValueError(
@@ -428,6 +424,14 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
             )
 
 
+def _check_cache_implementation(name: str | None) -> None:
+    if name not in (None, "dynamic", "static"):
+        raise ValueError(
+            f"speculation=... needs a cache that can be rolled back; cache_implementation={name!r} cannot. Use the "
+            "default dynamic cache, or 'static' (batch 1)."
+        )
+
+
 def _attention_types(config) -> set[str]:
     """The kinds of attention layers a model has ("full_attention", "sliding_attention", ...)."""
     if layer_types := getattr(config, "layer_types", None):
@@ -481,6 +485,9 @@ def _speculative_generate(model, *args, speculation=None, assistant_model=None, 
             f"1 to {assistant_model.drafter.config.block_size - 1} drafts (the first slot is the anchor)."
         )
     assistant_model.check_compatible(model, speculation)
+    # before `generate` builds the cache: building some (offloaded) already fails on some machines
+    config = kwargs.get("generation_config") or model.generation_config
+    _check_cache_implementation(kwargs.get("cache_implementation", config.cache_implementation))
 
     # Stop strings need the tokenizer, which transformers does not hand to a custom decoding loop: build the
     # criterion here and hand it over with the user's own criteria.
