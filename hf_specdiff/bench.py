@@ -114,18 +114,25 @@ def _check_limit(limit: int) -> None:
         raise ValueError(f"--limit must be >= 0 (prompts per dataset or from --prompts; 0: all), got {limit}.")
 
 
-def read_prompts_file(path: str) -> list[dict]:
-    """The rows of a --prompts file: one JSON object per line with a `prompt` string or a `messages` list of
-    {"role", "content"} dicts (not both); a bad line is named by file:line."""
-    rows = []
+def json_lines(path: str | Path, example: str):
+    """Yield (line number, "file:line", parsed row) for each non-blank line of a JSONL file; a line that is not JSON
+    is named by file:line, with `example` (one good line) in the message."""
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
         try:
-            row = json.loads(line)
+            yield number, where, json.loads(line)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{where} is not JSON ({error.msg}): write one JSON object per line.") from None
+            raise ValueError(f"{where} is not JSON ({error.msg}): write one JSON object per line, e.g. "
+                             f"{example}.") from None
+
+
+def read_prompts_file(path: str) -> list[dict]:
+    """The rows of a --prompts file: one JSON object per line with a `prompt` string or a `messages` list of
+    {"role", "content"} dicts (not both); a bad line is named by file:line."""
+    rows = []
+    for _, where, row in json_lines(path, '{"prompt": "Hi"}'):
         if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
             raise ValueError(f"{where} needs exactly one of a `prompt` string or a `messages` list, e.g. "
                              '{"prompt": "Hi"} or {"messages": [{"role": "user", "content": "Hi"}]}.')

@@ -84,16 +84,10 @@ def read_prompt_file(path: str) -> list[tuple[str, str]]:
     `<file stem>-<line number>`, so a rerun on the same file finds the same ids and resumes. A bad line is named by
     file:line. (bench's `read_prompts_file` also takes `messages` rows, which a distill row cannot record, and
     drops the line numbers these ids are made of, hence this reader.)"""
+    from .bench import json_lines
+
     found = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{where} is not JSON ({error.msg}): write one JSON object per line, e.g. "
-                             '{"id": "q1", "prompt": "Hi"}.') from None
+    for number, where, row in json_lines(path, '{"id": "q1", "prompt": "Hi"}'):
         if not isinstance(row, dict) or "prompt" not in row:
             raise ValueError(f"{where} needs a `prompt` field: write one JSON object per line, e.g. "
                              '{"id": "q1", "prompt": "Hi"} (the id is optional).')
