@@ -231,11 +231,18 @@ def _card_base_model(args, recorded: str | None, embedded: bool) -> str:
     """The card's `base_model`: a Hub id (a local folder means nothing on the Hub)."""
     import os
 
-    base_model = args.base_model or (EMBEDDED_HUB_ID if embedded else recorded)
-    if base_model is None or os.path.isabs(base_model) or os.path.exists(base_model) or base_model.startswith("."):
-        raise SystemExit(f"--base-model is required: the run's base model is the local folder {base_model!r}; give "
+    from ._hub import can_only_be_a_path
+
+    if args.base_model is not None:  # given: trusted unless it cannot be a Hub id
+        if can_only_be_a_path(args.base_model):
+            raise SystemExit(f"--base-model {args.base_model!r} is a path; give a Hub id (namespace/name).")
+        return args.base_model
+    if embedded:
+        return EMBEDDED_HUB_ID
+    if recorded is None or can_only_be_a_path(recorded) or os.path.exists(recorded):
+        raise SystemExit(f"--base-model is required: the run's base model is the local folder {recorded!r}; give "
                          "the Hub id of the model it holds (the card's base_model).")
-    return base_model
+    return recorded
 
 
 def _card_license(args, base_model: str) -> str:

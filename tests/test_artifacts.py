@@ -179,6 +179,8 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
     (run / "train_config.json").write_text(json.dumps({**config.to_dict(), "target": str(tmp_path)}))
     with pytest.raises(SystemExit, match="--base-model is required.*local folder"):
         main(export + (earlier if continued else []) + own)
+    with pytest.raises(SystemExit, match="--base-model .* is a path; give a Hub id"):
+        main(export + (earlier if continued else []) + own + ["--base-model", str(tmp_path)])
     own += ["--base-model", "my-org/my-llama"]
     fresh = export[:4] + [str(tmp_path / "fresh")] + export[5:] + (earlier if continued else []) + own
     with pytest.raises(SystemExit, match="--bench-json .*missing.json: cannot read it"):
