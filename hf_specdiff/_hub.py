@@ -21,3 +21,16 @@ def check_folder_or_repo_id(path_or_repo_id: str | os.PathLike, what: str) -> No
         raise FileNotFoundError(
             f"No {what} at {text!r}: no such folder (a Hub repo id reads 'namespace/name'). Check the path."
         )
+
+
+def share_like_umask(folder: Path) -> None:
+    """Give `folder` and its files the modes a plain `open()` / `mkdir()` would: safetensors writes its files 0600 (and
+    `mkdtemp` makes a folder 0700), which would lock other users out of a shared cache or an exported artifact."""
+    probe = folder / ".umask-probe"
+    probe.touch(mode=0o666)  # the mode it gets is 0o666 & ~umask, read without changing the process-wide umask
+    file_mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    folder_mode = file_mode | ((file_mode & 0o444) >> 2)  # searchable wherever readable
+    for path in folder.rglob("*"):
+        path.chmod(folder_mode if path.is_dir() else file_mode)
+    folder.chmod(folder_mode)

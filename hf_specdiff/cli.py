@@ -8,6 +8,8 @@ import json
 import sys
 import typing
 
+from ._hub import can_only_be_a_path, share_like_umask
+
 
 def _add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
     """One `--field-name` per dataclass field; lists take several values; a JSON `--config` file sets defaults."""
@@ -231,8 +233,6 @@ def _card_base_model(args, recorded: str | None, embedded: bool) -> str:
     """The card's `base_model`: a Hub id (a local folder means nothing on the Hub)."""
     import os
 
-    from ._hub import can_only_be_a_path
-
     if args.base_model is not None:  # given: trusted unless it cannot be a Hub id
         if can_only_be_a_path(args.base_model):
             raise SystemExit(f"--base-model {args.base_model!r} is a path; give a Hub id (namespace/name).")
@@ -291,6 +291,7 @@ def export_speculator(args) -> None:
         "earlier_training": args.earlier_training,
     })
     write_model_card(args.output, card)
+    share_like_umask(Path(args.output))  # safetensors writes 0600: readable by whoever publishes or uses it
     print(f"wrote {args.output}")
 
 
@@ -348,6 +349,7 @@ def export_diffusion(args) -> None:
         "earlier_training": args.earlier_training,
     })
     write_model_card(output, card)
+    share_like_umask(output)  # safetensors writes 0600: readable by whoever publishes or uses it
     print(f"wrote {output}")
 
 

@@ -16,6 +16,8 @@ import time
 import uuid
 from pathlib import Path
 
+from ._hub import share_like_umask
+
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -89,19 +91,6 @@ def _make_temporary_folder(parent: Path) -> Path:
             f"Cannot write the embedded model's cache in {parent} ({error}). Set HF_SPECDIFF_CACHE to a writable "
             f"folder (or pass cache_dir) so that the dequantized SmolLM2 (about 540 MB) can be stored there."
         ) from error
-
-
-def _share_like_umask(folder: Path) -> None:
-    """Give `folder` and its files the modes a plain `open()` / `mkdir()` would: safetensors writes its files 0600 and
-    `mkdtemp` makes the folder 0700, which would lock other users out of a shared HF_SPECDIFF_CACHE."""
-    probe = folder / ".umask-probe"
-    probe.touch(mode=0o666)  # the mode it gets is 0o666 & ~umask, read without changing the process-wide umask
-    file_mode = probe.stat().st_mode & 0o777
-    probe.unlink()
-    folder_mode = file_mode | ((file_mode & 0o444) >> 2)  # searchable wherever readable
-    for path in folder.rglob("*"):
-        path.chmod(folder_mode if path.is_dir() else file_mode)
-    folder.chmod(folder_mode)
 
 
 def _install(built: Path, folder: Path) -> None:
@@ -189,7 +178,7 @@ def default_target_path(cache_dir: str | os.PathLike | None = None) -> Path:
                 f"Could not save the dequantized embedded model (about 540 MB) in {built.parent} ({error}). Free some "
                 f"space there, or set HF_SPECDIFF_CACHE to another folder (or pass cache_dir)."
             ) from error
-        _share_like_umask(built)
+        share_like_umask(built)
         _install(built, folder)
     finally:
         shutil.rmtree(built, ignore_errors=True)  # nothing left once installed; ours if another process won

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,9 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
 
     loaded = AutoSpeculator.from_pretrained(output)
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    umask = os.umask(0)
+    os.umask(umask)  # read it back unchanged
+    assert (output / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # not safetensors' 0600
     card = (output / "README.md").read_text()
     assert "${" not in card and "7 steps of batch" in card and "dflash 1.50, xpress 1.75 (step 7)" in card
     if continued:
