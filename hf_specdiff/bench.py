@@ -109,6 +109,14 @@ def find_data_dir(explicit: str | None) -> Path:
     )
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a `--dtype` option names ("float32", "bfloat16", ...), or a ValueError that lists them."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"--dtype {name!r} is not a torch dtype; use float32, bfloat16 or float16.")
+    return dtype
+
+
 def _check_limit(limit: int) -> None:
     if limit < 0:
         raise ValueError(f"--limit must be >= 0 (prompts per dataset or from --prompts; 0: all), got {limit}.")
@@ -342,8 +350,7 @@ def check_bench_config(config: BenchConfig, methods: tuple[str, ...]) -> None:
     _check_limit(config.limit)
     if config.temperature < 0:
         raise ValueError(f"--temperature must be >= 0 (0: greedy), got {config.temperature}.")
-    if not isinstance(getattr(torch, config.dtype, None), torch.dtype):
-        raise ValueError(f"--dtype {config.dtype!r} is not a torch dtype; use float32, bfloat16 or float16.")
+    torch_dtype(config.dtype)
     unknown = [m for m in config.methods if m not in methods]
     if unknown:
         raise ValueError(f"Unknown methods {unknown}; choose from {', '.join(methods)}.")

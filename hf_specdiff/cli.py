@@ -377,7 +377,7 @@ def calibrate(args) -> None:
 
     import torch
 
-    from .bench import BenchConfig, load_prompts
+    from .bench import BenchConfig, load_prompts, torch_dtype
     from .diffusion import AutoDiffusionLM, DiffusionGenerationConfig, load_tokenizer
     from .spiffy import calibrate as calibrate_graph
 
@@ -385,8 +385,7 @@ def calibrate(args) -> None:
     decoding = _dataclass_from_args(DiffusionGenerationConfig, args)
     if not options.model:
         raise SystemExit("--model is required: a diffusion LM folder or Hub id.")
-    if not isinstance(getattr(torch, options.dtype, None), torch.dtype):
-        raise SystemExit(f"--dtype {options.dtype!r} is not a torch dtype: use float32, bfloat16 or float16.")
+    dtype = torch_dtype(options.dtype)
     # the prompts first: a wrong dataset, file or limit fails before the model loads
     chats = load_prompts(BenchConfig(datasets=options.datasets, prompts=options.prompts, limit=options.limit,
                                      seed=options.prompt_seed, data_dir=options.data_dir))
@@ -394,7 +393,7 @@ def calibrate(args) -> None:
     calibration_prompts = ({"prompts_file": options.prompts, "limit": options.limit} if options.prompts else
                            {"datasets": options.datasets, "prompt_seed": options.prompt_seed, "limit": options.limit})
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoDiffusionLM.from_pretrained(options.model, dtype=getattr(torch, options.dtype), device=device)
+    model = AutoDiffusionLM.from_pretrained(options.model, dtype=dtype, device=device)
     tokenizer = load_tokenizer(options.tokenizer or options.model)
     prompts = [tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                              return_dict=True)["input_ids"] for _, messages in chats]

@@ -66,10 +66,11 @@ def check_distill_config(config: DistillConfig) -> None:
     """Options that would fail or quietly do the wrong thing only after the target loads (minutes for a big Hub
     model) raise here instead. `limit` follows bench and calibrate: 0 (or None, as older configs wrote it) means
     every prompt."""
+    from .bench import torch_dtype
+
     if config.limit is not None and config.limit < 0:
         raise ValueError(f"--limit must be >= 0 (prompts per source; 0: all), got {config.limit}.")
-    if not isinstance(getattr(torch, config.dtype, None), torch.dtype):
-        raise ValueError(f"--dtype {config.dtype!r} is not a torch dtype; use float32, bfloat16 or float16.")
+    torch_dtype(config.dtype)
     if config.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {config.batch_size}.")
     if not config.sources:

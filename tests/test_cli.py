@@ -85,7 +85,7 @@ def test_demo_refuses_the_other_modes_flags():
 
 
 def test_calibrate_reads_its_prompts_before_loading_the_model(tmp_path):
-    """A wrong dataset or prompts file fails in seconds, before the (missing) model would load; --prompts exists."""
+    """A wrong dataset, prompts file or dtype fails in seconds, before the (missing) model would load; --prompts exists."""
     from hf_specdiff.cli import main
 
     missing_model = ["calibrate", "--model", str(tmp_path / "no-model")]
@@ -94,6 +94,8 @@ def test_calibrate_reads_its_prompts_before_loading_the_model(tmp_path):
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "Hi"}\n{"prompt": 3}\n')
     with pytest.raises(ValueError, match="prompts.jsonl:2"):
         main(missing_model + ["--prompts", str(tmp_path / "prompts.jsonl")])
+    with pytest.raises(ValueError, match="--dtype 'fp16' is not a torch dtype; use float32, bfloat16 or float16"):
+        main(missing_model + ["--dtype", "fp16"])
 
 
 def test_the_console_entry_point_prints_a_users_mistake_on_one_line(monkeypatch):
