@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import sys
 import typing
@@ -416,79 +417,86 @@ def _check_demo_flags(args: argparse.Namespace) -> None:
                          "them.")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line as `main` reads it (a `--config` file's values under the flags given)."""
-    parser = argparse.ArgumentParser(prog="hf-specdiff", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+def _dataclass_options(module: str, config_class: str):
+    """A command whose options are the fields of `config_class` in `module` (imported only when the command runs),
+    plus `--config FILE` for them."""
+    def add_options(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--config", help=f"JSON file with {config_class} fields")
+        _add_dataclass_arguments(parser, getattr(importlib.import_module(module, __package__), config_class))
 
-    from .training import TrainConfig
+    return add_options
 
-    train_parser = commands.add_parser("train", help="train a speculator (drafter + xPress + Markov) for a target")
-    train_parser.add_argument("--config", help="JSON file with TrainConfig fields")
-    _add_dataclass_arguments(train_parser, TrainConfig)
 
-    from .diffusion.training import DiffusionTrainConfig
+def _demo_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", default=DEMO_PROMPT)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--speculator", default=None, help="default: the speculator shipped for the embedded target")
+    parser.add_argument("--device", default=None, help="default: cuda where available, else cpu")
+    parser.add_argument("--diffusion", action="store_true", help="a masked diffusion LM with Spiffy instead")
+    parser.add_argument("--model", default=None, help="--diffusion: the diffusion LM folder (default: the shipped one)")
+    parser.add_argument("--draft-graph", default=None, help="--diffusion: default: the graph beside the model")
+    parser.add_argument("--block-length", type=int, default=None, help="--diffusion: (default: 32)")
+    parser.add_argument("--threshold", type=float, default=None, help="--diffusion: (default: 0.9)")
 
-    train_diffusion_parser = commands.add_parser(
-        "train-diffusion", help="turn a causal LM (default: the embedded SmolLM2) into a masked diffusion LM (LoRA)")
-    train_diffusion_parser.add_argument("--config", help="JSON file with DiffusionTrainConfig fields")
-    _add_dataclass_arguments(train_diffusion_parser, DiffusionTrainConfig)
 
-    from .distill import DistillConfig
+def _export_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, help="training output_dir (holds speculator/ or diffusion_lm/, and "
+                        "log.jsonl)")
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--bench-json", help="a `hf-specdiff bench --json` result to quote in the card")
+    parser.add_argument("--bench-command", default="hf-specdiff bench")
+    parser.add_argument("--template", default=None, help="default: model_cards/speculator.md or model_cards/diffusion_lm.md")
+    parser.add_argument("--base-model", default=None, help="the card's base_model (default: the target or base the run "
+                        f"names; {EMBEDDED_HUB_ID} for the embedded one)")
+    parser.add_argument("--title", default=None, help=f"default: {SPECULATOR_TITLE!r} or {DIFFUSION_TITLE!r}, name: the "
+                        "base model's")
+    parser.add_argument("--license", default=None, help="the card's licence, a Hub licence id (default: apache-2.0, "
+                        f"{EMBEDDED_HUB_ID}'s, for the embedded base; required for another base)")
+    parser.add_argument("--data-description", default=None, help="what the run trained on (default for the embedded "
+                        f"base: {EMBEDDED_DATA_DESCRIPTION!r}; required for another base)")
+    parser.add_argument("--train-hardware", default=None, help="what it trained on (default for the embedded base: "
+                        f"{EMBEDDED_TRAIN_HARDWARE!r}; required for another base)")
+    parser.add_argument("--limitations", default="", help="the card's Limitations section (default: none)")
+    parser.add_argument("--earlier-training", default="", help="for a run continued with --init-speculator or "
+                        "--init-adapter: how that speculator or adapter was trained")
 
-    distill_parser = commands.add_parser("distill", help="the target answers real prompts: training data (resumable)")
-    distill_parser.add_argument("--config", help="JSON file with DistillConfig fields")
-    _add_dataclass_arguments(distill_parser, DistillConfig)
 
-    from .bench import BenchConfig
-
-    bench_parser = commands.add_parser("bench", help="measure every method side by side on real prompt sets")
-    bench_parser.add_argument("--config", help="JSON file with BenchConfig fields")
-    _add_dataclass_arguments(bench_parser, BenchConfig)
-
-    demo_parser = commands.add_parser("demo", help="stream an answer with xPress, then compare plain / dflash / xpress")
-    demo_parser.add_argument("--prompt", default=DEMO_PROMPT)
-    demo_parser.add_argument("--max-new-tokens", type=int, default=128)
-    demo_parser.add_argument("--speculator", default=None, help="default: the speculator shipped for the embedded target")
-    demo_parser.add_argument("--device", default=None, help="default: cuda where available, else cpu")
-    demo_parser.add_argument("--diffusion", action="store_true", help="a masked diffusion LM with Spiffy instead")
-    demo_parser.add_argument("--model", default=None, help="--diffusion: the diffusion LM folder (default: the shipped one)")
-    demo_parser.add_argument("--draft-graph", default=None, help="--diffusion: default: the graph beside the model")
-    demo_parser.add_argument("--block-length", type=int, default=None, help="--diffusion: (default: 32)")
-    demo_parser.add_argument("--threshold", type=float, default=None, help="--diffusion: (default: 0.9)")
-
-    export_parser = commands.add_parser("export", help="ship a trained speculator or diffusion LM: cast, save, write "
-                                        "its model card")
-    export_parser.add_argument("--run", required=True, help="training output_dir (holds speculator/ or diffusion_lm/, "
-                               "and log.jsonl)")
-    export_parser.add_argument("--output", required=True)
-    export_parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    export_parser.add_argument("--bench-json", help="a `hf-specdiff bench --json` result to quote in the card")
-    export_parser.add_argument("--bench-command", default="hf-specdiff bench")
-    export_parser.add_argument("--template", default=None,
-                               help="default: model_cards/speculator.md or model_cards/diffusion_lm.md")
-    export_parser.add_argument("--base-model", default=None, help="the card's base_model (default: the target or "
-                               f"base the run names; {EMBEDDED_HUB_ID} for the embedded one)")
-    export_parser.add_argument("--title", default=None, help=f"default: {SPECULATOR_TITLE!r} or {DIFFUSION_TITLE!r}, "
-                               "name: the base model's")
-    export_parser.add_argument("--license", default=None, help="the card's licence, a Hub licence id (default: "
-                               f"apache-2.0, {EMBEDDED_HUB_ID}'s, for the embedded base; required for another base)")
-    export_parser.add_argument("--data-description", default=None, help="what the run trained on (default for the "
-                               f"embedded base: {EMBEDDED_DATA_DESCRIPTION!r}; required for another base)")
-    export_parser.add_argument("--train-hardware", default=None, help="what it trained on (default for the embedded "
-                               f"base: {EMBEDDED_TRAIN_HARDWARE!r}; required for another base)")
-    export_parser.add_argument("--limitations", default="", help="the card's Limitations section (default: none)")
-    export_parser.add_argument("--earlier-training", default="",
-                               help="for a run continued with --init-speculator or --init-adapter: how that speculator or "
-                               "adapter was trained")
-
+def _calibrate_options(parser: argparse.ArgumentParser) -> None:
     from .diffusion import DiffusionGenerationConfig
 
-    calibrate_parser = commands.add_parser("calibrate", help="calibrate a Spiffy draft graph for a diffusion LM")
-    calibrate_parser.add_argument("--config", help="JSON file with CalibrateConfig and DiffusionGenerationConfig fields")
-    _add_dataclass_arguments(calibrate_parser, CalibrateConfig)
-    _add_dataclass_arguments(calibrate_parser, DiffusionGenerationConfig)
+    parser.add_argument("--config", help="JSON file with CalibrateConfig and DiffusionGenerationConfig fields")
+    _add_dataclass_arguments(parser, CalibrateConfig)
+    _add_dataclass_arguments(parser, DiffusionGenerationConfig)
 
+
+# Each command, its one-line help and what adds its options. Only the command being run gets its options: most of
+# them come from dataclasses whose modules import torch and transformers, which `hf-specdiff --help` need not wait for.
+COMMANDS = {
+    "train": ("train a speculator (drafter + xPress + Markov) for a target",
+              _dataclass_options(".training", "TrainConfig")),
+    "train-diffusion": ("turn a causal LM (default: the embedded SmolLM2) into a masked diffusion LM (LoRA)",
+                        _dataclass_options(".diffusion.training", "DiffusionTrainConfig")),
+    "distill": ("the target answers real prompts: training data (resumable)",
+                _dataclass_options(".distill", "DistillConfig")),
+    "bench": ("measure every method side by side on real prompt sets", _dataclass_options(".bench", "BenchConfig")),
+    "demo": ("stream an answer with xPress, then compare plain / dflash / xpress", _demo_options),
+    "export": ("ship a trained speculator or diffusion LM: cast, save, write its model card", _export_options),
+    "calibrate": ("calibrate a Spiffy draft graph for a diffusion LM", _calibrate_options),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as `main` reads it (a `--config` file's values under the flags given)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog="hf-specdiff", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    # the top-level parser has no options but --help, so the first word that is not an option names the command
+    chosen = next((word for word in argv if not word.startswith("-")), None)
+    for name, (help_text, add_options) in COMMANDS.items():
+        command_parser = commands.add_parser(name, help=help_text)
+        if name == chosen:
+            add_options(command_parser)
     return _parse(parser, commands.choices, argv)
 
 

@@ -4,6 +4,7 @@ its spelling, and a bad file fails with a message that says what is wrong."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -107,3 +108,31 @@ def test_the_console_entry_point_prints_a_users_mistake_on_one_line(monkeypatch)
     monkeypatch.setenv("HF_SPECDIFF_TRACEBACK", "1")  # the traceback, for a bug report
     with pytest.raises(ValueError, match="Unknown datasets"):
         console_main(["calibrate", "--model", "x", "--datasets", "bogus"])
+
+
+def test_help_and_import_do_not_load_torch():
+    """`import hf_specdiff` and `hf-specdiff --help` answer at once: torch and transformers load on first use."""
+    import subprocess
+
+    script = ("import contextlib, io, sys, hf_specdiff, hf_specdiff.cli\n"
+              "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:\n"
+              "    hf_specdiff.cli.main(['--help'])\n"
+              "assert 'bench' in out.getvalue() and 'calibrate' in out.getvalue(), out.getvalue()\n"
+              "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_every_public_name_resolves_to_its_module():
+    import importlib
+
+    import hf_specdiff
+
+    for name in hf_specdiff.__all__:
+        module = importlib.import_module(f"hf_specdiff.{hf_specdiff._MODULE_OF[name]}")
+        assert getattr(hf_specdiff, name) is getattr(module, name)
+        assert name in dir(hf_specdiff)
+    assert set(hf_specdiff.__all__) == set(hf_specdiff._MODULE_OF)
+    with pytest.raises(AttributeError, match="has no attribute 'DFlashDrafter'"):
+        hf_specdiff.DFlashDrafter
