@@ -28,9 +28,9 @@ from hf_specdiff.bench import BenchConfig, load_prompts
 from hf_specdiff.candidates import synchronize
 
 
-def context_ids(tokenizer, length: int) -> torch.LongTensor:
+def context_ids(tokenizer, length: int, data_dir: str | None = None) -> torch.LongTensor:
     """`length` tokens of real text: the first GSM8K prompt in the chat template, repeated as often as needed."""
-    (_, messages), = load_prompts(BenchConfig(datasets=["gsm8k"], limit=1))
+    (_, messages), = load_prompts(BenchConfig(datasets=["gsm8k"], limit=1, data_dir=data_dir))
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     return torch.tensor((ids * (length // len(ids) + 1))[:length])[None]
 
@@ -60,6 +60,8 @@ def main():
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4, 5, 8, 12, 16])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="also a static cache with the forward compiled")
+    parser.add_argument("--data-dir", help="benchmark JSONL folder (default: $HF_SPECDIFF_DATA, ./shared/data or "
+                        "../shared/data)")
     args = parser.parse_args()
 
     if args.target:
@@ -70,7 +72,7 @@ def main():
 
         target, tokenizer = load_default_target(dtype=args.dtype)
     target = target.to(args.device).eval()
-    ids = context_ids(tokenizer, args.context + max(args.widths)).to(args.device)
+    ids = context_ids(tokenizer, args.context + max(args.widths), args.data_dir).to(args.device)
 
     def prefilled(cache):
         target(input_ids=ids[:, : args.context], use_cache=True, **_compat.cache_kwargs(target, cache))

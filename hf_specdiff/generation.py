@@ -339,20 +339,7 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
     for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "assistant_ensemble_weight"):
         if getattr(generation_config, name, None):
             raise ValueError(f"speculation=... replaces transformers' assisted decoding; remove `{name}`.")
-    # decoding modes the loop would silently replace by greedy / sampling (stateful processors: below)
-    unsupported_options = {
-        "penalty_alpha": "contrastive search",
-        "dola_layers": "DoLa decoding",
-        "token_healing": "token healing",
-        "prefill_chunk_size": "chunked prefill",
-    }
-    for name, what in unsupported_options.items():
-        value = getattr(generation_config, name, None)
-        if value is None or value is False or (name == "guidance_scale" and value == 1):
-            continue
-        if name == "penalty_alpha" and not (value > 0 and (generation_config.top_k or 0) > 1):
-            continue  # contrastive search runs only with both
-        raise ValueError(f"speculation=... does not support {what}; remove `{name}` (plain generate supports it).")
+    _check_decoding_mode(generation_config)
     # The loop scores every draft position, rejected drafts included, and scores a position again after a rejection:
     # a processor must be a function of (input_ids, scores). transformers' processors that keep state across calls
     # would drift from plain decoding's (whether built from the config or passed in `logits_processor`).
@@ -367,7 +354,6 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                 )
     if generation_config.use_cache is False:
         raise ValueError("speculation=... needs the KV cache; remove use_cache=False.")
-    _check_cache_implementation(generation_config.cache_implementation)
     if generation_config.cache_implementation == "static":
         if batch_size > 1:
             raise ValueError(
@@ -422,6 +408,28 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                 "speculation=... with a batch cannot use prefix_allowed_tokens_fn: rows finish and leave the batch, "
                 "so its batch_id would no longer name the same row. Generate row by row."
             )
+
+
+# Decoding modes the loop would silently replace by greedy / sampling (stateful processors: `_STATEFUL_PROCESSORS`).
+_UNSUPPORTED_MODES = {
+    "penalty_alpha": "contrastive search",
+    "dola_layers": "DoLa decoding",
+    "token_healing": "token healing",
+    "prefill_chunk_size": "chunked prefill",
+}
+
+
+def _check_decoding_mode(generation_config) -> None:
+    """Refuse the modes and caches the loop cannot honour. Also called before `generate` starts: transformers heals
+    tokens, and builds some caches, before it hands over to the loop."""
+    for name, what in _UNSUPPORTED_MODES.items():
+        value = getattr(generation_config, name, None)
+        if value is None or value is False:
+            continue
+        if name == "penalty_alpha" and not (value > 0 and (generation_config.top_k or 0) > 1):
+            continue  # contrastive search runs only with both
+        raise ValueError(f"speculation=... does not support {what}; remove `{name}`.")
+    _check_cache_implementation(generation_config.cache_implementation)
 
 
 def _check_cache_implementation(name: str | None) -> None:
@@ -485,9 +493,13 @@ def _speculative_generate(model, *args, speculation=None, assistant_model=None, 
             f"1 to {assistant_model.drafter.config.block_size - 1} drafts (the first slot is the anchor)."
         )
     assistant_model.check_compatible(model, speculation)
-    # before `generate` builds the cache: building some (offloaded) already fails on some machines
-    config = kwargs.get("generation_config") or model.generation_config
-    _check_cache_implementation(kwargs.get("cache_implementation", config.cache_implementation))
+    # before `generate` starts: it heals tokens (token_healing) and builds the cache (an offloaded one already fails
+    # on some machines) before it hands over to the loop
+    generation_config = copy.copy(kwargs.get("generation_config") or model.generation_config)
+    for name in (*_UNSUPPORTED_MODES, "top_k", "cache_implementation"):  # kwargs override the config, as in generate
+        if name in kwargs:
+            setattr(generation_config, name, kwargs[name])
+    _check_decoding_mode(generation_config)
 
     # Stop strings need the tokenizer, which transformers does not hand to a custom decoding loop: build the
     # criterion here and hand it over with the user's own criteria.

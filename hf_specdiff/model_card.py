@@ -59,7 +59,7 @@ def render_diffusion_model_card(template: str | Path, adapter_config: dict, weig
     license, data_description, train_hardware, measured, bench_command, limitations, storage_dtype, and for a run that continued
     an `init_adapter`, `earlier_training`: what that adapter went through; may be empty)."""
     lora = adapter_config.get("lora")
-    size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
+    size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 1e6
     count = sum(t.numel() for t in weights.values()) / 1e6
     if lora:
         adapter = (f"LoRA of rank {lora['rank']} (alpha {lora['alpha']}) on {', '.join(lora['target_modules'])}, "

@@ -56,7 +56,9 @@ def generate(target, speculator, **kwargs):
         (dict(watermarking_config=SynthIDTextWatermarkingConfig(keys=[3, 5, 7], ngram_len=2)),
          "SynthIDTextWatermarkLogitsProcessor.*keeps state.*Remove `watermarking_config` \\(SynthID\\)"),
         (dict(inputs_embeds=torch.zeros(1, 5, 64, dtype=torch.float64)), "inputs_embeds.*pass the prompt as input_ids"),
-        (dict(token_healing=True), "token healing"),
+        # refused before transformers heals tokens (it would ask for a tokenizer, even one that was passed)
+        (dict(token_healing=True), "speculation=... does not support token healing; remove `token_healing`"),
+        (dict(token_healing=True, tokenizer=object()), "speculation=... does not support token healing"),
         (dict(prefill_chunk_size=4), "chunked prefill"),
     ],
 )
