@@ -361,6 +361,10 @@ def check_bench_config(config: BenchConfig, methods: tuple[str, ...]) -> None:
             raise ValueError(f"--{option} lists {repeated} more than once; give each value once.")
 
 
+# options only the diffusion-LM methods read
+_DIFFUSION_OPTIONS = ("block_length", "steps", "remasking", "threshold", "cache", "max_drafts", "draft_graph", "base")
+
+
 def check_ar_options(config: BenchConfig) -> None:
     """Autoregressive-bench options set without a method that uses them."""
     methods = set(config.methods)
@@ -372,6 +376,11 @@ def check_ar_options(config: BenchConfig) -> None:
         unused.append(f"--num-draft-tokens {config.num_draft_tokens} (dflash, xpress, markov and their _static runs)")
     if config.compile is not None and not methods & {"ar_static", "dflash_static", "xpress_static"}:
         unused.append(f"--compile {config.compile} (ar_static, dflash_static, xpress_static)")
+    defaults = BenchConfig()
+    changed = [name for name in _DIFFUSION_OPTIONS if getattr(config, name) != getattr(defaults, name)]
+    if changed:
+        unused.append(f"{', '.join('--' + name.replace('_', '-') for name in changed)} (the diffusion methods: "
+                      "steps, threshold, spiffy, spiffy_threshold, ar_base)")
     if unused:
         raise ValueError(f"{'; '.join(unused)}: no method in --methods {list(config.methods)} uses it. Add such a "
                          "method or drop the option.")
@@ -648,21 +657,31 @@ def markdown_table(result: dict) -> str:
                  f"transformers {env['transformers']}; {_prompt_source(result)}, "
                  f"max_new_tokens {result['config']['max_new_tokens']}{_drafts_per_block(result)}.")
     if any("compiled" in e for e in result["summary"].values()):
-        compiled = [name for name, e in result["summary"].items() if e.get("compiled")]
-        static = ""
-        eager = [name for name in result["summary"] if "_static" in name and name not in compiled]
-        if eager:
-            why = ("--no-compile" if result["config"].get("compile") is False else
-                   "transformers compiles on its own on cuda, xpu, neuron and tpu only; --compile forces it")
-            static = f" {', '.join(eager)}: static cache, not compiled ({why})."
-        lines.append(f"Forward compiled by torch.compile: {', '.join(compiled) or 'none'}.{static} Prefill = time to "
-                     "the first generated token; decode tokens/s = the tokens after it over the time after it.")
+        lines.append(f"{compile_note(result['summary'], result['config'])} Prefill = time to the first generated "
+                     "token; decode tokens/s = the tokens after it over the time after it.")
     if sampled:
-        lines.append(f"Sampled at temperature {result['config']['temperature']}: per-token losslessness cannot be "
-                     "checked; the last column is the method's mean target log-probability per generated token minus "
-                     "plain generate's, with the p-value of a paired sign-flip permutation test over prompts (a coarse "
-                     "check: small p flags a shifted output distribution).")
+        lines.append(sampling_note(result["config"]["temperature"], "prompts"))
     return "\n".join(lines)
+
+
+def compile_note(summary: dict, config: dict) -> str:
+    """Which methods' forward torch.compile compiled, and why a static-cache method's was not (a table footer)."""
+    compiled = [name for name, e in summary.items() if e.get("compiled")]
+    note = f"Forward compiled by torch.compile: {', '.join(compiled) or 'none'}."
+    eager = [name for name in summary if "_static" in name and name not in compiled]
+    if eager:
+        why = ("--no-compile" if config.get("compile") is False else
+               "transformers compiles on its own on cuda, xpu, neuron and tpu only; --compile forces it")
+        note += f" {', '.join(eager)}: static cache, not compiled ({why})."
+    return note
+
+
+def sampling_note(temperature: float, units: str) -> str:
+    """What the last column of a sampled run's table means (a table footer); `units`: what the test pairs."""
+    return (f"Sampled at temperature {temperature}: per-token losslessness cannot be checked; the last column is the "
+            "method's mean target log-probability per generated token minus plain generate's, with the p-value of a "
+            f"paired sign-flip permutation test over {units} (a coarse check: small p flags a shifted output "
+            "distribution).")
 
 
 def is_diffusion_bench(config: BenchConfig) -> bool:

@@ -1,9 +1,12 @@
 """`hf-specdiff bench --batch-size 1 4 16 32 64`: plain batched `generate` against our speculative methods, by batch size.
 
-Every batch size sees the same prompts (the bench's seeded order), cut into consecutive batches of that size; a tail
-shorter than the size is left out, so every measured call holds a full batch (each size reports how many prompts it
-used; with a prompt count that is not a multiple of every size, the sizes measure different prefixes of that order). Prompts are left-padded to the longest of their batch. Within a batch the methods run back to back, so drift
-hits them alike; one warm-up call per batch size and method (which also pays for any compilation) is excluded.
+Every batch size sees the same prompts, cut into consecutive batches of that size, so that the curve's points differ
+by batch size only: the bench's seeded prompts, dealt round-robin over the datasets (any prefix holds every dataset
+alike: tau differs a lot between tasks), cut to a multiple of every size (of the largest size where the sizes'
+least common multiple exceeds the prompt count; a size that does not divide it leaves its tail out, and the footer
+says how many prompts each size used). Every measured call holds a full batch. Prompts are left-padded to the
+longest of their batch. Within a batch the methods run back to back, so drift hits them alike; one warm-up call per
+batch size and method (which also pays for any compilation) is excluded.
 
 Per batch size and method: tokens/s (each row's tokens up to its first stop token, over the wall time of the calls),
 `speedup_vs_ar` over plain batched `generate` at the same size and `speedup_vs_dflash`; for our speculative methods
@@ -20,7 +23,9 @@ decoding falls towards what the extra accepted tokens pay for.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
+from itertools import chain, zip_longest
 from pathlib import Path
 
 import torch
@@ -30,15 +35,18 @@ from .bench import (
     BenchConfig,
     _drafts_per_block,
     _environment,
+    _forward_compiled,
     _lossless_check,
     _method_runs,
     _sampling_check,
+    compile_note,
     generate_kwargs,
     load_models,
     load_prompts,
     mean_accepted_length,
     mean_target_logprob,
     phase_times,
+    sampling_note,
     timed_generate,
 )
 
@@ -61,12 +69,25 @@ def _check_batch_config(config: BenchConfig, num_prompts: int | None = None) -> 
         )
 
 
+def curve_prompts(prompts: list, batch_sizes: list[int]) -> list:
+    """The prompts every batch size decodes: dealt round-robin over their datasets, then cut to a multiple of every
+    size (of the largest one where the sizes' least common multiple exceeds the prompt count)."""
+    by_dataset: dict[str, list] = {}
+    for prompt in prompts:
+        by_dataset.setdefault(prompt[0], []).append(prompt)
+    dealt = [p for p in chain.from_iterable(zip_longest(*by_dataset.values())) if p is not None]
+    common = math.lcm(*batch_sizes)
+    unit = common if common <= len(dealt) else max(batch_sizes)
+    return dealt[: len(dealt) - len(dealt) % unit]
+
+
 def run_batch_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
     _check_batch_config(config)
     prompts = load_prompts(config)
     _check_batch_config(config, len(prompts))
+    prompts = curve_prompts(prompts, sorted(config.batch_size))
     target, tokenizer, speculator = load_models(config, target, tokenizer, speculator)
     stop_ids, pad = stop_and_pad_ids(target, tokenizer)
     encoded = [
@@ -84,12 +105,14 @@ def run_batch_bench(config: BenchConfig, target=None, tokenizer=None, speculator
         input_ids, attention_mask = left_pad([ids for _, ids in encoded[start : start + size]], pad, config.device)
         return {"input_ids": input_ids, "attention_mask": attention_mask}
 
-    records = []
-    bar = tqdm(total=sum(len(batches(size)) for size in config.batch_size) * len(runs), desc="bench (batched)",
+    sizes = sorted(config.batch_size)
+    records, compiled = [], {}
+    bar = tqdm(total=sum(len(batches(size)) for size in sizes) * len(runs), desc="bench (batched)",
                disable=not progress)
-    for size in config.batch_size:
-        for _, kwargs in runs:  # warm-up (and compilation for this shape), excluded
-            timed_generate(target, **inputs(0, size), **common, **kwargs)
+    for size in sizes:
+        for name, kwargs in runs:  # warm-up (and compilation for this shape), excluded
+            out, _ = timed_generate(target, **inputs(0, size), **common, **kwargs)
+            compiled[size, name] = _forward_compiled(target, {**common, **kwargs}, out)
         for start in batches(size):
             batch = inputs(start, size)
             width = batch["input_ids"].shape[1]
@@ -118,11 +141,12 @@ def run_batch_bench(config: BenchConfig, target=None, tokenizer=None, speculator
                 bar.update(1)
     bar.close()
     names = [name for name, _ in runs]
+    curve = {str(size): summarize_curve([r for r in records if r["batch_size"] == size], names) for size in sizes}
+    for size in sizes:
+        for name in names:
+            curve[str(size)][name]["compiled"] = compiled[size, name]
     return {"kind": "batch_curve", "config": asdict(config), "environment": _environment(target, config),
-            "runs": names, "batch_sizes": list(config.batch_size),
-            "curve": {str(size): summarize_curve([r for r in records if r["batch_size"] == size], names)
-                      for size in config.batch_size},
-            "records": records}
+            "runs": names, "batch_sizes": sizes, "curve": curve, "records": records}
 
 
 def summarize_curve(records: list[dict], runs: list[str]) -> dict:
@@ -181,11 +205,21 @@ def batch_markdown_table(result: dict) -> str:
     env, config = result["environment"], result["config"]
     used = ", ".join(f"{size}: {summary['ar']['prompts']}" for size, summary in result["curve"].items())
     source = config["prompts"] or f"datasets {config['datasets']}, {config['limit']} each"
+    mix = {}  # of the prompts the smallest size decoded (the most of them)
+    smallest = min(result["batch_sizes"])
+    for record in result["records"]:
+        if record["batch_size"] == smallest and record["method"] == "ar":
+            for row in record["rows"]:
+                mix[row["dataset"]] = mix.get(row["dataset"], 0) + 1
+    first = next(iter(result["curve"].values()))
     lines += ["", f"{env['device_name']} ({env['device']}), {env['dtype']}, torch {env['torch']}, transformers "
               f"{env['transformers']}; prompts from {source}, left-padded batches, max_new_tokens "
-              f"{config['max_new_tokens']}{_drafts_per_block(result)}; prompts used per batch size (full batches only): {used}. tokens/s counts "
-              "each row's tokens up to its first stop; tau is tokens per row per target forward; phase times are per "
-              "batched step."]
+              f"{config['max_new_tokens']}{_drafts_per_block(result)}; prompts used per batch size (full batches "
+              f"only): {used}; by dataset: {', '.join(f'{d} {n}' for d, n in mix.items())}. tokens/s counts each "
+              "row's tokens up to its first stop; tau is tokens per row per target forward; phase times are per "
+              f"batched step. {compile_note(first, config)}"]
+    if sampled:
+        lines.append(sampling_note(config["temperature"], "rows"))
     return "\n".join(lines)
 
 
@@ -198,7 +232,7 @@ def plot_batch_curve(result: dict, folder: str | Path) -> list[Path]:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    sizes = [int(size) for size in result["curve"]]
+    sizes = sorted(int(size) for size in result["curve"])  # results written before sizes were sorted too
     fig, (speed, ratio) = plt.subplots(1, 2, figsize=(9, 3.5))
     for index, name in enumerate(result["runs"]):
         per_size = [result["curve"][str(size)][name] for size in sizes]

@@ -163,6 +163,8 @@ def test_bad_bench_inputs(tmp_path):
                                                                                   jacobi_passes=[2, 8]),
         "--num-draft-tokens 3 .*no method in --methods": dict(methods=["ar", "prompt_lookup"], num_draft_tokens=3),
         "--compile True .*no method in --methods": dict(methods=["ar", "xpress"], compile=True),
+        "--steps, --cache, --base \\(the diffusion methods: .*\\): no method": dict(methods=["ar", "xpress"], steps=4,
+                                                                                    cache="none", base="x"),
         r"Unknown methods \['beam'\]": dict(methods=["ar", "beam"]),
     }
     for message, options in refused.items():
@@ -214,15 +216,15 @@ def test_batch_curve_compares_methods_at_each_batch_size(tmp_path, smollm):
     target, tokenizer, _ = smollm
     shipped = hf_specdiff.AutoSpeculator.from_pretrained(hf_specdiff.default_speculator_path())  # rows accept unalike
     config = BenchConfig(prompts=str(_prompts(tmp_path, BATCH_QUESTIONS)), limit=0, max_new_tokens=12, device="cpu",
-                         batch_size=[1, 2], methods=["ar", "ar_static", "dflash", "xpress", "markov"],
+                         batch_size=[2, 1], methods=["ar", "ar_static", "dflash", "xpress", "markov"],
                          json=str(tmp_path / "curve.json"), markdown=str(tmp_path / "curve.md"),
                          plots=str(tmp_path / "plots"))
     result = run_bench(config, target=target, tokenizer=tokenizer, speculator=shipped, progress=False)
     write_outputs(result, config)
     saved = json.loads((tmp_path / "curve.json").read_text())
-    assert saved["kind"] == "batch_curve" and saved["batch_sizes"] == [1, 2]
+    assert saved["kind"] == "batch_curve" and saved["batch_sizes"] == [1, 2]  # sorted: the curve runs left to right
     assert saved["runs"] == ["ar", "ar_static", "dflash", "xpress", "markov"]
-    for size, used in (("1", 5), ("2", 4)):  # batch 2 leaves out the fifth prompt: full batches only
+    for size, used in (("1", 4), ("2", 4)):  # the same prompts at every size: full batches of 2 leave out the fifth
         summary = saved["curve"][size]
         assert summary["ar"]["speedup_vs_ar"] == 1.0 and summary["dflash"]["speedup_vs_dflash"] == 1.0
         for name, entry in summary.items():
@@ -234,14 +236,25 @@ def test_batch_curve_compares_methods_at_each_batch_size(tmp_path, smollm):
             assert entry["tau"] >= 1.0 and entry["forwards_per_batch"] > 1
             assert entry["draft_ms"] > 0 and entry["verify_ms"] > 0
     assert all(r["stats"]["batch_size"] == r["batch_size"] for r in saved["records"] if "stats" in r)
-    for size, prompts in ((1, [0, 1, 2, 3, 4]), (2, [0, 1, 2, 3])):  # every prompt once per method and size
+    for size, prompts in ((1, [0, 1, 2, 3]), (2, [0, 1, 2, 3])):  # every prompt once per method and size
         for name in saved["runs"]:
             rows = [row["prompt"] for r in saved["records"] if (r["batch_size"], r["method"]) == (size, name)
                     for row in r["rows"]]
             assert rows == prompts, (size, name)
     table = (tmp_path / "curve.md").read_text()
-    assert "| 2 | xpress |" in table and "| batch | method | tau |" in table and "1: 5, 2: 4" in table
+    assert "| 2 | xpress |" in table and "| batch | method | tau |" in table and "1: 4, 2: 4; by dataset: custom 4" in table
+    assert "Forward compiled by torch.compile: none. ar_static: static cache, not compiled" in table  # a CPU
     assert [p.name for p in (tmp_path / "plots").iterdir()] == ["batch_curve.png"]
+
+
+def test_every_batch_size_decodes_the_same_prompts_with_every_dataset_alike():
+    from hf_specdiff.bench_batched import curve_prompts
+
+    prompts = [("gsm8k", i) for i in range(5)] + [("mbpp", i) for i in range(3)] + [("mt_bench", 0)]
+    assert curve_prompts(prompts, [1, 2, 4]) == [("gsm8k", 0), ("mbpp", 0), ("mt_bench", 0), ("gsm8k", 1),
+                                                 ("mbpp", 1), ("gsm8k", 2), ("mbpp", 2), ("gsm8k", 3)]
+    assert len(curve_prompts(prompts, [1, 3])) == 9  # lcm 3
+    assert len(curve_prompts(prompts, [4, 5])) == 5  # lcm 20 > 9 prompts: a multiple of the largest size
 
 
 def test_sampled_batch_curve_checks_each_row_by_log_probability(tmp_path, smollm):
@@ -252,6 +265,9 @@ def test_sampled_batch_curve_checks_each_row_by_log_probability(tmp_path, smollm
     check = result["curve"]["2"]["xpress"]["sampling_check"]
     assert check["prompts"] == 2 and 0.0 <= check["p_value"] <= 1.0
     assert "lossless_mismatches" not in result["curve"]["2"]["xpress"]
+    from hf_specdiff.bench_batched import batch_markdown_table
+
+    assert "Sampled at temperature 0.8" in batch_markdown_table(result) and "test over rows" in batch_markdown_table(result)
 
 
 def test_batch_curve_refuses_what_it_cannot_measure(tmp_path, smollm):
