@@ -227,6 +227,8 @@ def test_batch_curve_compares_methods_at_each_batch_size(tmp_path, smollm):
     for size, used in (("1", 4), ("2", 4)):  # the same prompts at every size: full batches of 2 leave out the fifth
         summary = saved["curve"][size]
         assert summary["ar"]["speedup_vs_ar"] == 1.0 and summary["dflash"]["speedup_vs_dflash"] == 1.0
+        # a lone row never waits for another; in a batch, plain generate runs finished rows until the last stops
+        assert summary["ar"]["finished_row_share"] == 0.0 if size == "1" else 0.0 <= summary["ar"]["finished_row_share"] < 1
         for name, entry in summary.items():
             assert entry["prompts"] == used and entry["tokens_per_s"] > 0, (size, name)
             if name != "ar":  # every row equals plain batched generate's row (bar floating-point near-ties)
@@ -244,6 +246,7 @@ def test_batch_curve_compares_methods_at_each_batch_size(tmp_path, smollm):
     table = (tmp_path / "curve.md").read_text()
     assert "| 2 | xpress |" in table and "| batch | method | tau |" in table and "1: 4, 2: 4; by dataset: custom 4" in table
     assert "Forward compiled by torch.compile: none. ar_static: static cache, not compiled" in table  # a CPU
+    assert "row-steps spent on rows that had already stopped: 1: 0%, 2: " in table
     assert [p.name for p in (tmp_path / "plots").iterdir()] == ["batch_curve.png"]
 
 
