@@ -27,6 +27,7 @@ speedup that comes from dropping them can be told from the part speculation earn
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict
 from itertools import chain, zip_longest
 from pathlib import Path
@@ -212,12 +213,9 @@ def batch_markdown_table(result: dict) -> str:
     env, config = result["environment"], result["config"]
     used = ", ".join(f"{size}: {summary['ar']['prompts']}" for size, summary in result["curve"].items())
     source = config["prompts"] or f"datasets {config['datasets']}, {config['limit']} each"
-    mix = {}  # of the prompts the smallest size decoded (the most of them)
-    smallest = min(result["batch_sizes"])
-    for record in result["records"]:
-        if record["batch_size"] == smallest and record["method"] == "ar":
-            for row in record["rows"]:
-                mix[row["dataset"]] = mix.get(row["dataset"], 0) + 1
+    smallest = min(result["batch_sizes"])  # it decoded the most prompts
+    mix = Counter(row["dataset"] for record in result["records"] if (record["batch_size"], record["method"]) ==
+                  (smallest, "ar") for row in record["rows"])
     first = next(iter(result["curve"].values()))
     finished = ", ".join(f"{size}: {summary['ar']['finished_row_share']:.0%}" for size, summary in result["curve"].items()
                          if "finished_row_share" in summary["ar"]) or "not recorded"
