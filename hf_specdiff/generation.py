@@ -429,14 +429,10 @@ def _check_decoding_mode(generation_config) -> None:
         if name == "penalty_alpha" and not (value > 0 and (generation_config.top_k or 0) > 1):
             continue  # contrastive search runs only with both
         raise ValueError(f"speculation=... does not support {what}; remove `{name}`.")
-    _check_cache_implementation(generation_config.cache_implementation)
-
-
-def _check_cache_implementation(name: str | None) -> None:
-    if name not in (None, "dynamic", "static"):
+    if generation_config.cache_implementation not in (None, "dynamic", "static"):
         raise ValueError(
-            f"speculation=... needs a cache that can be rolled back; cache_implementation={name!r} cannot. Use the "
-            "default dynamic cache, or 'static' (batch 1)."
+            "speculation=... needs a cache that can be rolled back; cache_implementation="
+            f"{generation_config.cache_implementation!r} cannot. Use the default dynamic cache, or 'static' (batch 1)."
         )
 
 
