@@ -196,9 +196,13 @@ def export(args) -> None:
                          "`hf-specdiff train` or `hf-specdiff train-diffusion`.")
 
 
-def _read_bench_json(path: str | None, kind: str) -> dict | None:
-    """The `--bench-json` result, read and checked before anything is written (a typo must not leave a half export)."""
+def _bench_table(path: str | None, kind: str) -> str | None:
+    """The Markdown table of the `--bench-json` result for the card, read and checked before anything is written (a
+    typo must not leave a half export)."""
     from pathlib import Path
+
+    from .bench import markdown_table
+    from .bench_diffusion import diffusion_markdown_table
 
     if path is None:
         return None
@@ -206,14 +210,18 @@ def _read_bench_json(path: str | None, kind: str) -> dict | None:
         result = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise SystemExit(f"--bench-json {path}: cannot read it as JSON ({error}).") from error
-    runs = result.get("runs") if isinstance(result, dict) else None
-    if not isinstance(runs, dict) or result.get("kind") == "batch_curve":
-        raise SystemExit(f"--bench-json {path} is not a `hf-specdiff bench --json` result of one batch size.")
-    diffusion = any("nfe" in run for run in runs.values() if isinstance(run, dict))
+    not_a_bench = SystemExit(f"--bench-json {path} is not a `hf-specdiff bench --json` result of one batch size.")
+    summary = result.get("summary") if isinstance(result, dict) else None
+    if not isinstance(summary, dict) or result.get("kind") == "batch_curve":
+        raise not_a_bench
+    diffusion = any("nfe" in run for run in summary.values() if isinstance(run, dict))
     if diffusion != (kind == "diffusion LM"):
         found = "a diffusion LM bench" if diffusion else "a speculator bench"
         raise SystemExit(f"--bench-json {path} is {found}; this export is of a {kind}: pass that run's bench.")
-    return result
+    try:  # the card's table is what the export needs from it
+        return (diffusion_markdown_table if diffusion else markdown_table)(result)
+    except (KeyError, TypeError, IndexError, ValueError, AttributeError) as error:
+        raise not_a_bench from error
 
 
 def _card_text(args, base_model: str) -> dict:
@@ -261,10 +269,11 @@ def export_speculator(args) -> None:
 
     import torch
 
-    from .bench import markdown_table
     from .embedded import is_embedded_folder
-    from .model_card import default_template, load_train_config, load_train_log, render_model_card, write_model_card
+    from .model_card import (default_template, load_train_config, load_train_log, log_of_saved_weights,
+                             render_model_card, write_model_card)
     from .speculator import AutoSpeculator
+    from .training import SAVED_STEP_FILE
 
     run = Path(args.run)
     train_config = load_train_config(run)
@@ -275,12 +284,13 @@ def export_speculator(args) -> None:
     base_model = _card_base_model(args, target, target is None or is_embedded_folder(target))
     card_license = _card_license(args, base_model)
     text = _card_text(args, base_model)
-    bench = _read_bench_json(args.bench_json, "speculator")
+    measured = _bench_table(args.bench_json, "speculator")
     speculator = AutoSpeculator.from_pretrained(run / "speculator").to(getattr(torch, args.dtype))
-    log = load_train_log(run)
+    saved = run / SAVED_STEP_FILE
+    log = log_of_saved_weights(load_train_log(run), json.loads(saved.read_text())["step"] if saved.is_file() else None)
     last_eval = next((r for r in reversed(log) if any(k.startswith("tau_") for k in r)), {})
     estimate = ", ".join(f"{k[4:]} {v:.2f}" for k, v in last_eval.items() if k.startswith("tau_")) or "not measured"
-    measured = markdown_table(bench) if bench is not None else "Not benchmarked yet."
+    measured = measured or "Not benchmarked yet."
     speculator.save_pretrained(args.output)
     title = args.title or SPECULATOR_TITLE.format(name=base_model.split("/")[-1],
                                                   block_size=speculator.drafter.config.block_size)
@@ -306,7 +316,6 @@ def export_diffusion(args) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from .bench_diffusion import diffusion_markdown_table
     from .diffusion.adapter_weights import EMBEDDED_BASE, WEIGHTS_NAME
     from .model_card import (default_template, load_train_config, load_train_log, render_diffusion_model_card,
                              write_model_card)
@@ -326,7 +335,7 @@ def export_diffusion(args) -> None:
     base_model = _card_base_model(args, base, base in (None, EMBEDDED_BASE))
     card_license = _card_license(args, base_model)
     text = _card_text(args, base_model)
-    bench = _read_bench_json(args.bench_json, "diffusion LM")
+    measured = _bench_table(args.bench_json, "diffusion LM")
     weights = {name: t.to(getattr(torch, args.dtype)).contiguous() for name, t in load_file(source / WEIGHTS_NAME).items()}
     output.mkdir(parents=True, exist_ok=True)
     for file in source.iterdir():
@@ -341,7 +350,7 @@ def export_diffusion(args) -> None:
     if graph_stale:
         print(f"warning: {output / GRAPH_FILE} was calibrated on the weights this export replaced; recalibrate it with "
               f"`hf-specdiff calibrate --model {output} --output {output}`", file=sys.stderr)
-    measured = diffusion_markdown_table(bench) if bench is not None else "Not benchmarked yet."
+    measured = measured or "Not benchmarked yet."
     card = render_diffusion_model_card(args.template or default_template("diffusion_lm.md"), published, weights,
                                        train_config, log, graph, {
         "title": args.title or DIFFUSION_TITLE.format(name=base_model.split("/")[-1]), "base_model": base_model,

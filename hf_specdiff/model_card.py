@@ -29,7 +29,7 @@ def render_model_card(template: str | Path, speculator, train_config: dict, fact
         "num_jacobi_passes": speculator.refiner.config.num_jacobi_passes if speculator.refiner else "-",
         "refiner_params": _parameters(speculator.refiner) if speculator.refiner else "-",
         "markov_params": _parameters(speculator.markov_head) if speculator.markov_head else "-",
-        "batch_size": train_config["batch_size"],
+        "batch_size": train_config["batch_size"] * train_config.get("gradient_accumulation_steps", 1),
         "max_seq_len": train_config["max_seq_len"],
         "anchors_per_sequence": train_config["anchors_per_sequence"],
         "learning_rate": train_config["learning_rate"],
@@ -77,8 +77,7 @@ def render_diffusion_model_card(template: str | Path, adapter_config: dict, weig
         if earlier_steps is None:  # written before continued_from_steps existed
             earlier_steps = adapter_config["trained_steps"] - run_steps if train_config.get("init_adapter") else 0
         run_steps = adapter_config["trained_steps"] - earlier_steps
-    evaluations = {r["step"]: r for r in log if "eval_accuracy" in r and r["step"] <= run_steps}
-    evaluations = [evaluations[step] for step in sorted(evaluations)]
+    evaluations = [r for r in log_of_saved_weights(log, run_steps) if "eval_accuracy" in r]
 
     def accuracy(record: dict) -> str:
         return f"{record['eval_accuracy']:.1%} (step {record['step']}, held-out loss {record['eval_loss']:.2f})"
@@ -152,3 +151,12 @@ def load_train_log(run_dir: str | Path) -> list[dict]:
         raise SystemExit(f"{run_dir}: no training log at {log_file}; pass the output_dir of a training run.")
     lines = Path(log_file).read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def log_of_saved_weights(log: list[dict], saved_step: int | None) -> list[dict]:
+    """The records of the steps the saved weights went through, one per step, in order: a log may run past the last
+    save (a run killed in between), and a resumed run logs the steps after its checkpoint twice (the later record is
+    the one its weights went through). `saved_step` None (a run from before it was recorded): the whole log."""
+    records = {r["step"]: r for r in log if saved_step is None or r["step"] <= saved_step}
+    return [records[step] for step in sorted(records)]
+

@@ -520,6 +520,16 @@ def check_resumable(output_dir: Path, config, shaping_fields: tuple[str, ...]) -
                          "a new output_dir, or delete the checkpoints to start over.")
 
 
+def write_run_config(output_dir: Path, config) -> Path:
+    """Record the run's settings in output_dir/train_config.json; returns the log file. A `log_file` given relative
+    is recorded resolved: `hf-specdiff export` reads it from wherever it runs."""
+    log_path = Path(config.log_file).resolve() if config.log_file else output_dir / "log.jsonl"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    recorded = {**config.to_dict(), "log_file": str(log_path) if config.log_file else None}
+    (output_dir / "train_config.json").write_text(json.dumps(recorded, indent=2))
+    return log_path
+
+
 def split_holdout(sequences: list, config: TrainConfig) -> tuple[list, list]:
     """(held-out rows, training rows): a seeded shuffle, then the first `holdout_sequences` rows are kept out."""
     if len(sequences) <= config.holdout_sequences:
@@ -565,8 +575,7 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
     scheduler, prepared, optimizer = prepare(accelerator, plan, trainer, optimizer)
     step = plan.resume(accelerator, checkpoints, fingerprint(holdout))
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2))
-    log_path = Path(config.log_file) if config.log_file else output_dir / "log.jsonl"
+    log_path = write_run_config(output_dir, config)
 
     holdout_batch = collate(holdout, pad_id)
     bar = tqdm(total=plan.last_step, initial=step, desc="train", disable=not progress or not accelerator.is_main_process)
@@ -605,9 +614,19 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
         bar.set_postfix(loss=f"{record['loss']:.3f}", **{f"tau_{k}": f"{v:.2f}" for k, v in estimate.items()})
         bar.update(1)
         if plan.saves(step):
-            plan.save_checkpoint(accelerator, checkpoints, step, lambda: speculator.save_pretrained(output_dir / "speculator"))
+            plan.save_checkpoint(accelerator, checkpoints, step, lambda: save_speculator(speculator, output_dir, step))
     bar.close()
     return speculator.eval()
+
+
+SAVED_STEP_FILE = "speculator_step.json"  # in the run folder: the step output_dir/speculator was saved at
+
+
+def save_speculator(speculator: Speculator, output_dir: Path, step: int) -> None:
+    """The artifact, then the step it is of: the log may run past it (a run killed between saves), and the model
+    card's step count and held-out figures must be those of the weights it ships."""
+    speculator.save_pretrained(output_dir / "speculator")
+    (output_dir / SAVED_STEP_FILE).write_text(json.dumps({"step": step}) + "\n")
 
 
 def _load_target(path: str | None):

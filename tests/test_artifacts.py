@@ -189,10 +189,19 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
     fresh = export[:4] + [str(tmp_path / "fresh")] + export[5:] + (earlier if continued else []) + own
     with pytest.raises(SystemExit, match="--bench-json .*missing.json: cannot read it"):
         main(fresh + ["--bench-json", str(tmp_path / "missing.json")])
-    (tmp_path / "diffusion_bench.json").write_text(json.dumps({"runs": {"steps": {"nfe": 32}}}))
+    # real `hf-specdiff bench --json` results, as the project's CPU runs wrote them
+    results = Path(__file__).parents[1] / "model_cards" / "results"
     with pytest.raises(SystemExit, match="is a diffusion LM bench; this export is of a speculator"):
-        main(fresh + ["--bench-json", str(tmp_path / "diffusion_bench.json")])
+        main(fresh + ["--bench-json", str(results / "smollm2-135m-diffusion-cpu" / "bench.json")])
+    with pytest.raises(SystemExit, match="is not a `hf-specdiff bench --json` result of one batch size"):
+        main(fresh + ["--bench-json", str(results / "smollm2-135m-cpu" / "earlier_weights" / "batch_curve.json")])
+    (tmp_path / "cut.json").write_text(json.dumps({"runs": ["ar", "xpress"], "summary": {"xpress": {"tau": 1.5}}}))
+    with pytest.raises(SystemExit, match="is not a `hf-specdiff bench --json` result of one batch size"):
+        main(fresh + ["--bench-json", str(tmp_path / "cut.json")])
     assert not (tmp_path / "fresh").exists()
+    main(fresh + ["--bench-json", str(results / "smollm2-135m-cpu" / "bench.json"), "--bench-command", "bench x"])
+    card = (tmp_path / "fresh" / "README.md").read_text()
+    assert "| xpress" in card and "bench x" in card
     (run / "train_config.json").write_text(json.dumps(config.to_dict()))
     with pytest.raises(SystemExit):
         main(export[:-2] + ["--dtype", "bf16"])

@@ -266,9 +266,9 @@ def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_pat
     with pytest.raises(SystemExit, match="--data-description is required"):  # nor are the embedded runs' facts its
         main(export + ["--license", "mit"])
     export += ["--license", "mit", "--data-description", "toy chats", "--train-hardware", "a laptop"]
-    (tmp_path / "speculator_bench.json").write_text(json.dumps({"runs": {"xpress": {"tau": 1.5}}}))
+    results = Path(__file__).parents[1] / "model_cards" / "results"  # real bench results of the project's CPU runs
     with pytest.raises(SystemExit, match="is a speculator bench; this export is of a diffusion LM"):
-        main(export + ["--bench-json", str(tmp_path / "speculator_bench.json")])
+        main(export + ["--bench-json", str(results / "smollm2-135m-cpu" / "bench.json")])
     assert not output.exists()  # refused before anything was written
     main(export)  # default dtype: bfloat16
     tensors = load_file(output / "adapter_model.safetensors")
@@ -305,6 +305,8 @@ def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_pat
     with pytest.raises(SystemExit, match="cannot read it as JSON"):  # a typo: nothing replaced, the graph stays theirs
         main(export + ["--dtype", "bfloat16", "--bench-json", str(tmp_path / "typo.json")])
     assert {t.dtype for t in load_file(output / "adapter_model.safetensors").values()} == {torch.float32}
+    main(export + ["--dtype", "float32", "--bench-json", str(results / "smollm2-135m-diffusion-cpu" / "bench.json")])
+    assert "| gsm8k | spiffy |" in (output / "README.md").read_text()
     with pytest.raises(SystemExit, match="did not start from one: drop it"):
         main(export + ["--earlier-training", "614 steps"])
     with pytest.raises(SystemExit, match="neither speculator/ nor diffusion_lm/"):

@@ -258,3 +258,47 @@ def test_two_processes_train_one_speculator(tmp_path, target):
     assert len(checksums) == 2 and len(set(checksums.values())) == 1, checksums
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "log.jsonl").open()]
     assert lrs == pytest.approx([3e-3 * warmup_cosine(2, 3)(step) for step in (1, 2, 3)])
+
+
+def test_the_model_card_describes_the_saved_weights_not_the_log_past_them(tmp_path, target, monkeypatch):
+    """A run killed between saves has logged steps its saved speculator never went through: the exported card gives
+    the saved step and that step's held-out tau. A resumed run logs the steps after its checkpoint again; the card
+    then follows the resumed run. A log_file given relative is found from another working directory, and the card's
+    batch counts the accumulated micro-batches."""
+    from hf_specdiff.cli import main
+    from hf_specdiff.training import StepPlan
+
+    data = write_distill(tmp_path / "distill.jsonl", target, rows=12)
+    monkeypatch.chdir(tmp_path)
+    config = tiny_config(tmp_path, data, max_steps=20, eval_every=5, save_every=10, log_file="logs/run.jsonl",
+                         batch_size=2, gradient_accumulation_steps=2)
+    saves = StepPlan.saves
+
+    def killed_at_15(plan, step):
+        if step == 15:
+            raise KeyboardInterrupt
+        return saves(plan, step)
+
+    monkeypatch.setattr(StepPlan, "saves", killed_at_15)
+    with pytest.raises(KeyboardInterrupt):
+        train(config, target=target, progress=False)
+    monkeypatch.setattr(StepPlan, "saves", saves)
+    log = [json.loads(line) for line in (tmp_path / "logs" / "run.jsonl").open()]
+    assert log[-1]["step"] == 15 and "tau_xpress" in log[-1]
+    at_10 = next(r for r in log if r["step"] == 10)
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    main(["export", "--run", str(tmp_path / "run"), "--output", str(tmp_path / "out")])
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "10 steps of batch\n4 sequences" in card
+    assert f"xpress {at_10['tau_xpress']:.2f}" in card and "(step 10)" in card and "(step 15)" not in card
+
+    monkeypatch.chdir(tmp_path)
+    train(config, target=target, progress=False)  # resumes at 10: steps 11-15 logged twice
+    steps = [json.loads(line)["step"] for line in (tmp_path / "logs" / "run.jsonl").open()]
+    assert steps == list(range(1, 16)) + list(range(11, 21))
+    monkeypatch.chdir(elsewhere)
+    main(["export", "--run", str(tmp_path / "run"), "--output", str(tmp_path / "out")])
+    assert "20 steps of batch" in (tmp_path / "out" / "README.md").read_text()

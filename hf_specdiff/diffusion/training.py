@@ -61,6 +61,7 @@ from ..training import (
     load_sequences,
     prepare,
     start_run,
+    write_run_config,
 )
 from .adapter_weights import EMBEDDED_BASE, MASK_EMBEDDING, base_facts, load_base, save_adapter
 from .decoding import DiffusionGenerationConfig
@@ -410,8 +411,7 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
     # frozen weights are not in checkpoints
     step = plan.resume(accelerator, checkpoints, holdout_fingerprint, strict=False)
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2))
-    log_path = Path(config.log_file) if config.log_file else output_dir / "log.jsonl"
+    log_path = write_run_config(output_dir, config)
 
     def save_artifact():
         unwrapped = accelerator.unwrap_model(trainee)
