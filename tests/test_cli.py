@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +137,17 @@ def test_every_public_name_resolves_to_its_module():
     assert set(hf_specdiff.__all__) == set(hf_specdiff._MODULE_OF)
     with pytest.raises(AttributeError, match="has no attribute 'DFlashDrafter'"):
         hf_specdiff.DFlashDrafter
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-cpu.json", "smollm2-135m-gpu.json", "smollm2-135m-diffusion-cpu.json",
+                                  "smollm2-135m-diffusion-gpu.json"])
+def test_example_training_configs_pass_the_command_lines_checks(name):
+    """examples/configs/*.json as `hf-specdiff train[-diffusion] --config` reads them: typed, and each value lands."""
+    from hf_specdiff.cli import _dataclass_from_args
+    from hf_specdiff.diffusion.training import DiffusionTrainConfig
+    from hf_specdiff.training import TrainConfig
+
+    path = Path(__file__).parents[1] / "examples" / "configs" / name
+    command, config_class = ("train-diffusion", DiffusionTrainConfig) if "diffusion" in name else ("train", TrainConfig)
+    config = _dataclass_from_args(config_class, parse_args([command, "--config", str(path)]))
+    assert {key: getattr(config, key) for key in json.loads(path.read_text())} == json.loads(path.read_text())
