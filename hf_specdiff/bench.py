@@ -77,6 +77,7 @@ class BenchConfig:
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     dtype: str = "float32"
     tie_tolerance: float = 1e-3  # logit gap under which a greedy divergence counts as a floating-point near-tie
+    # (in bf16 / fp16 at least NEAR_TIE_ULPS units of the dtype's rounding at the logits' size)
     # Diffusion LMs: methods steps, threshold, spiffy, spiffy_threshold, ar_base (see bench_diffusion); --target names
     # the model
     block_length: int = 32
@@ -448,7 +449,7 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
                 record["stats"] = out.speculation.to_dict()
                 record["accepted_at_position"] = out.speculation.accepted_at_position()
             if not sampling:
-                record.update(_lossless_check(reference, out, prompt_length, config.tie_tolerance))
+                record.update(_lossless_check(reference, out, prompt_length, config.tie_tolerance, dtype=target.dtype))
             records.append(record)
             bar.update(1)
     bar.close()
@@ -460,10 +461,15 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
             "records": records}
 
 
-def _lossless_check(reference, out, prompt_length, tolerance, row: int = 0, stop_ids: set[int] = frozenset()) -> dict:
+NEAR_TIE_ULPS = 4  # in 16-bit, forwards of other widths round the logits differently by a few units of rounding
+
+
+def _lossless_check(reference, out, prompt_length, tolerance, row: int = 0, stop_ids: set[int] = frozenset(),
+                    dtype: torch.dtype = torch.float32) -> dict:
     """Does row `row` of `out` generate what plain `generate`'s (`reference`) did? Compared up to each one's first
     stop token (what follows is padding); a first divergence where the target's logits for the two tokens lie
-    within `tolerance` is a floating-point near-tie, not a bug."""
+    within `tolerance`, or within NEAR_TIE_ULPS units of the target dtype's rounding at their size (bf16 rounds a
+    logit of 20 to steps of 0.125), is a floating-point near-tie, not a bug."""
     a = torch.tensor(until_stop(reference.sequences[row, prompt_length:].tolist(), stop_ids))
     b = torch.tensor(until_stop(out.sequences[row, prompt_length:].tolist(), stop_ids))
     n = min(len(a), len(b))
@@ -475,7 +481,10 @@ def _lossless_check(reference, out, prompt_length, tolerance, row: int = 0, stop
     i = int(diverged[0])
     scores = reference.scores[i][row]
     gap = float((scores[a[i]] - scores[b[i]]).abs())
-    return {"mismatch": True, "unexplained_mismatch": gap > tolerance, "logit_gap": gap, "first_divergence": i}
+    size = float(torch.maximum(scores[a[i]].abs(), scores[b[i]].abs()))
+    bound = max(tolerance, NEAR_TIE_ULPS * torch.finfo(dtype).eps * size)
+    return {"mismatch": True, "unexplained_mismatch": gap > bound, "logit_gap": gap, "near_tie_bound": bound,
+            "first_divergence": i}
 
 
 @torch.no_grad()

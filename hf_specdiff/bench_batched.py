@@ -134,7 +134,8 @@ def run_batch_bench(config: BenchConfig, target=None, tokenizer=None, speculator
                         entry["mean_logprob"] = mean_target_logprob(target, sequence, len(prompt_ids),
                                                                     config.temperature)
                     elif name != "ar":
-                        entry.update(_lossless_check(reference, out, width, config.tie_tolerance, row, stop_ids))
+                        entry.update(_lossless_check(reference, out, width, config.tie_tolerance, row, stop_ids,
+                                                     target.dtype))
                     record["rows"].append(entry)
                 record["new_tokens"] = sum(entry["new_tokens"] for entry in record["rows"])
                 if getattr(out, "speculation", None) is not None:

@@ -438,12 +438,22 @@ def draft_block(drafter, embed_tokens, lm_head, block_ids, features, positions, 
 
 @functools.cache
 def _compiled(function, options: tuple):
-    return torch.compile(function, **{k: dict(v) if k == "options" and v is not None else v for k, v in options})
+    step = torch.compile(function, **{k: dict(v) if k == "options" and v is not None else v for k, v in options})
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        # With CUDA graphs ("reduce-overhead", transformers' default) every call of a compiled function starts a new
+        # cudagraph-tree generation, which may reuse the memory of the previous call's outputs: the draft step's
+        # outputs feed the refinement, and q is read after the verify forward. Copies cost a few MB per block.
+        return tuple(t.clone() for t in step(*args, **kwargs))
+
+    return call
 
 
 def compiled(function, compile_config):
     """`torch.compile(function)` with the options of transformers' `CompileConfig` (fullgraph, dynamic, backend, mode,
-    options), made once per function and config so that later `generate` calls reuse its compiled graphs."""
+    options), made once per function and config so that later `generate` calls reuse its compiled graphs. Returns
+    copies of its outputs (a tuple of tensors), which stay valid past the next compiled call."""
     options = compile_config.to_dict()
     options = {k: tuple(sorted(v.items())) if isinstance(v, dict) else v for k, v in options.items()}
     return _compiled(function, tuple(sorted(options.items())))

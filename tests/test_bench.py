@@ -287,3 +287,28 @@ def test_batch_curve_refuses_what_it_cannot_measure(tmp_path, smollm):
 
     with pytest.raises(ValueError, match="drop --batch-size"):
         run_diffusion_bench(BenchConfig(methods=["steps"], batch_size=[4]))
+
+
+@pytest.mark.parametrize("dtype,second,unexplained", [
+    (torch.float32, 20.0005, False),  # within --tie-tolerance
+    (torch.float32, 20.0625, True),  # half a bf16 step apart: a real difference in float32
+    (torch.bfloat16, 20.0625, False),  # in bf16 a logit of 20 rounds to steps of 0.125: a near-tie
+    (torch.bfloat16, 21.0, True),  # eight bf16 steps: not rounding
+])
+def test_a_greedy_divergence_is_a_near_tie_within_the_dtypes_rounding(dtype, second, unexplained):
+    """The bench's lossless check: where plain greedy and a method first part, the target's logits for the two tokens
+    (plain generate's scores) decide whether rounding explains it, at the precision the target ran in."""
+    from types import SimpleNamespace
+
+    from hf_specdiff.bench import _lossless_check
+
+    scores = torch.zeros(3, 8)
+    scores[1, 5], scores[1, 6] = second, 20.0  # plain picked 5 at the second new token, the method 6
+    reference = SimpleNamespace(sequences=torch.tensor([[9, 1, 5, 2]]), scores=tuple(scores[:, None]))
+    out = SimpleNamespace(sequences=torch.tensor([[9, 1, 6, 3]]))
+    check = _lossless_check(reference, out, 1, 1e-3, dtype=dtype)
+    assert check["mismatch"] and check["first_divergence"] == 1
+    assert check["logit_gap"] == pytest.approx(second - 20.0, abs=1e-6)
+    assert check["unexplained_mismatch"] == unexplained
+    assert _lossless_check(reference, reference, 1, 1e-3, dtype=dtype) == {"mismatch": False,
+                                                                          "unexplained_mismatch": False}

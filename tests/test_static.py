@@ -133,6 +133,70 @@ def test_compiled_static_decoding_is_lossless_and_compiles_once():
     assert torch.equal(compiled.sequences, target.generate(prompt, do_sample=False, max_new_tokens=30))
 
 
+class CudaGraphOutputLifetimes:
+    """Stands in for torch.compile with CUDA graphs (mode="reduce-overhead"), which the CPU cannot run: in inference
+    every call of a compiled function starts a new cudagraph-tree generation, and the outputs of the call before it
+    live in memory the new call may overwrite. Each call here poisons the previous call's output tensors first (NaN,
+    or -1 for integers), so a caller that keeps a compiled step's output past the next compiled call reads garbage,
+    as it would on a GPU."""
+
+    def __init__(self):
+        self.previous: list[torch.Tensor] = []
+        self.calls = 0
+
+    def wrap(self, function):
+        def call(*args, **kwargs):
+            for tensor in self.previous:
+                tensor.fill_(float("nan") if tensor.is_floating_point() else -1)
+            out = function(*args, **kwargs)
+            self.previous, self.calls = [t for t in _tensors_of(out)], self.calls + 1
+            return out
+        return call
+
+
+def _tensors_of(out):
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else [out]
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            yield from (t for t in value if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("method", ["xpress", "dflash", "markov"])
+def test_no_compiled_output_is_read_after_the_next_compiled_call(monkeypatch, method):
+    """The compiled verify forward, draft step and refinement under CUDA-graph output lifetimes (see
+    CudaGraphOutputLifetimes): greedy still equals plain greedy, and sampling with warpers draws what it draws when
+    outputs live on."""
+    from hf_specdiff import candidates
+
+    target = hf_specdiff.enable(make_successor_target(dtype=torch.float32))
+    speculator = make_speculator(target, oracle=True).to(dtype=torch.float32)
+    kwargs = dict(cache_implementation="static", max_cache_len=96, compile_config=_compat.compile_config_for_all_devices())
+
+    def decode(lifetimes, prompt, **options):
+        # every torch.compile (ours and transformers' verify forward) made afresh under these lifetimes
+        monkeypatch.setattr(torch, "compile", lambda function, **compile_options: lifetimes.wrap(function))
+        candidates._compiled.cache_clear()
+        if hasattr(target, "_compiled_call"):
+            del target._compiled_call
+        try:
+            return run(target, speculator, method, prompt, max_new_tokens=40, **kwargs, **options).sequences
+        finally:
+            candidates._compiled.cache_clear()
+
+    for _, prompt in prompts(3, seed=2):
+        poisoned = CudaGraphOutputLifetimes()
+        assert torch.equal(decode(poisoned, prompt), target.generate(prompt, do_sample=False, max_new_tokens=40))
+        assert poisoned.calls > 3, "the compiled steps were not used"
+        torch.manual_seed(0)
+        sampled = decode(poisoned, prompt, do_sample=True, temperature=0.7, top_k=20)
+        torch.manual_seed(0)
+        kept = CudaGraphOutputLifetimes()
+        kept.wrap = lambda function: function  # outputs live on
+        assert torch.equal(sampled, decode(kept, prompt, do_sample=True, temperature=0.7, top_k=20))
+
+
 def test_static_cache_without_compilation_on_the_cpu():
     """transformers compiles plain decoding on cuda / xpu / neuron / tpu only: on the CPU the static loop runs eagerly
     unless `compile_config._compile_all_devices` is set, and `disable_compile` always keeps it eager."""
