@@ -14,7 +14,9 @@
 # Environment (all optional):
 #   HF_SPECDIFF_DATA   benchmark sets and distill/ (default: ../shared/data)
 #   TRAIN_MINUTES      wall-clock budget of the training run (default: none, the config's max_steps)
-#   BENCH_LIMIT        prompts per dataset at batch size 1 (default 20); the batch curve uses 64 GSM8K prompts
+#   BENCH_LIMIT        prompts per dataset at batch size 1 (default 20)
+#   CURVE_LIMIT        GSM8K prompts of the batch curve (default 64), decoded at every size of
+#   CURVE_SIZES        the batch curve's sizes (default "1 4 16 32 64")
 #   MAX_NEW_TOKENS     per answer in every bench (default 256)
 #   QUICK=1            a CPU smoke run of the whole script: a few training steps, 2 prompts, short answers
 #
@@ -35,6 +37,8 @@ if [[ "${QUICK:-0}" == 1 ]]; then
   verify=(--widths 1 2 --repeats 1 --context 16)
   limit=2; tokens=16; curve_limit=2; curve_sizes=(1 2); calibrate_limit=1; dtype=float32; block=8
 fi
+curve_limit="${CURVE_LIMIT:-$curve_limit}"
+[[ -n "${CURVE_SIZES:-}" ]] && read -r -a curve_sizes <<< "$CURVE_SIZES"
 hardware="$(python -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU")')"
 mkdir -p "$out"
 export HF_SPECDIFF_DATA="$data"
