@@ -11,6 +11,8 @@ that range, so an upgrade shows which of these facts to re-check:
   a 0-d tensor `cumulative_length` (so that compiled forwards do not specialise on it) and `update` writes there.
   5.24's `StaticLayer.crop(-n)` only lowers that tensor (the next write overwrites the stale slots); 5.17's
   `StaticLayer` has no `crop`, so `crop_cache` lowers it itself, in both versions.
+- `StaticCache.reset()` zeroes its tensors and `cumulative_length` in place, keeping their addresses (both), as
+  `generate` does to reuse `model._cache`; the speculative loop reuses its static caches the same way.
 - `DynamicCache.layers[i]` holds `keys` / `values` tensors (batch, kv_heads, slots, head_dim) in both (a layer not
   filled yet has none); batched speculation gathers slots per row there (`gather_cache_slots`).
 - The native dFlash candidate generator reads `hidden_states[i]` for each of the drafter's `target_layer_ids` in
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 
 import transformers
 from packaging.version import Version
@@ -112,6 +115,25 @@ def compile_config_for_all_devices():
 def new_static_cache(config, max_cache_len: int) -> StaticCache:
     """An empty static cache for a model with this config (tensors allocated at the first write)."""
     return StaticCache(config=config, max_cache_len=max_cache_len)
+
+
+# owner module -> ((length, dtype, device), its static cache); weak: a cache lives no longer than its model
+_reused_static_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def reused_static_cache(owner, config, max_cache_len: int) -> StaticCache:
+    """An empty static cache for `owner`'s forward (the target or the drafter): the one its previous call used, reset,
+    where length, dtype and device match (as `generate` reuses `model._cache`), else a new one. A compiled forward
+    under CUDA graphs reads the cache at fixed addresses: a new cache per call would re-record its graphs every call.
+    Kept here, not on the model: nothing is parked on the user's objects."""
+    key = (max_cache_len, owner.dtype, owner.device)
+    kept = _reused_static_caches.get(owner)
+    if kept is not None and kept[0] == key:
+        kept[1].reset()
+        return kept[1]
+    cache = new_static_cache(config, max_cache_len)
+    _reused_static_caches[owner] = (key, cache)
+    return cache
 
 
 def compile_config(model, generation_config):

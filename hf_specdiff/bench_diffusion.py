@@ -12,7 +12,8 @@ Per method: mean NFE per prompt, NFE reduction versus `steps`, tokens/s and spee
 (GSM8K: the last number against the reference answer; MATH-500: the last \\boxed{} against the reference; code sets:
 whether the answer's code parses), and for Spiffy `lossless_mismatches` against the method it speeds up (0 in the
 exact modes: block-causal models, dual cache) with `unexplained_mismatches`, those not explained by a floating-point
-near-tie in the block where they diverge (`first_divergence_gap` within `--tie-tolerance`).
+near-tie in the block where they diverge (`first_divergence_gap`, beyond the model dtype's rounding, within
+`--tie-tolerance`).
 
 Coherence, for every method: `finished_rate` (answers that end with EOS within the token budget, rather than being
 cut off), `repetition` (share of an answer's 4-grams that repeat an earlier one: degenerate loops score high) and,
@@ -116,7 +117,7 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
     `base_model`: the causal LM the diffusion LM was adapted from, when given in memory."""
     from tqdm.auto import tqdm
 
-    from .bench import _environment, prompt_messages
+    from .bench import NEAR_TIE_ULPS, _environment, prompt_messages
     from .candidates import synchronize
     from .diffusion import AutoDiffusionLM, diffusion_generate, load_tokenizer
     from .diffusion.adapter_weights import load_base, named_base
@@ -209,7 +210,8 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
                 record["mismatch"] = not torch.equal(reference, sequences)
                 record["unexplained_mismatch"] = record["mismatch"]
                 if record["mismatch"]:  # outside the timing: was the first diverging block decided by a near-tie?
-                    gap = first_divergence_gap(model, ids, configs[BASELINE_OF[method]], reference, sequences, eos)
+                    gap = first_divergence_gap(model, ids, configs[BASELINE_OF[method]], reference, sequences, eos,
+                                               rounding=NEAR_TIE_ULPS * torch.finfo(model.dtype).eps)
                     record["decision_gap"] = gap
                     record["unexplained_mismatch"] = gap is None or gap > config.tie_tolerance
             records.append(record)
@@ -222,15 +224,17 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
             "records": records}
 
 
-def first_divergence_gap(model, ids, decoding, reference, sequences, eos) -> float | None:
+def first_divergence_gap(model, ids, decoding, reference, sequences, eos, rounding: float = 0.0) -> float | None:
     """How close ordinary decoding (`reference`) came to deciding otherwise in the block where `sequences` first
     differs from it: the smallest gap, over that block's steps, between a decision and its runner-up, in logit units
     where the rule allows. Token choice: gap between the top two logits at each position unmasked. Position choice:
     gap between the last position unmasked and the next one, and with a threshold, distance of any masked position to
     it, in log-odds of the confidence for `low_confidence` (a near-certain position's probability is 1 - eps, whose
     rounding is eps-sized) and relative otherwise. A gap within floating-point noise means a wider forward (Spiffy's,
-    with drafts) could flip the decision: a near-tie, not a bug. Re-runs ordinary decoding with a recorder; None for
-    decoding whose decisions are driven by noise (temperature > 0, random remasking)."""
+    with drafts) could flip the decision: a near-tie, not a bug. `rounding` (relative: a few units of the model
+    dtype's rounding) is what a logit of size x may differ by between forwards, times x; each gap is given beyond
+    that much at its step's largest logit (in bf16 a logit of 20 rounds to steps of 0.125). Re-runs ordinary decoding
+    with a recorder; None for decoding whose decisions are driven by noise (temperature > 0, random remasking)."""
     from .diffusion import diffusion_generate
     from .diffusion.decoding import Canvas, confidence, without_mask_token
 
@@ -255,7 +259,9 @@ def first_divergence_gap(model, ids, decoding, reference, sequences, eos) -> flo
         masked, unmasked = before[0] == mask_id, (before[0] == mask_id) & (after[0] != mask_id)
         logits = without_mask_token(logits[0], mask_id)
         top2 = logits.topk(2, dim=-1)
-        gaps.append(float((top2.values[unmasked, 0] - top2.values[unmasked, 1]).min()))
+        # logit rounding moves logit gaps and log-odds by about this much, and probabilities by this factor
+        noise = rounding * float(top2.values[:, 0].abs().max())
+        step_gaps = [float((top2.values[unmasked, 0] - top2.values[unmasked, 1]).min())]
         if log_odds:  # log p1 / (1 - p1) = top logit - logsumexp of the others
             others = logits.scatter(-1, top2.indices[:, :1], -torch.inf).logsumexp(dim=-1)
             score, distance = top2.values[:, 0] - others, lambda x, y: float((x - y).abs())
@@ -265,9 +271,10 @@ def first_divergence_gap(model, ids, decoding, reference, sequences, eos) -> flo
         ranked = score[masked].sort(descending=True).values
         k = int(unmasked.sum())
         if k < len(ranked):
-            gaps.append(distance(ranked[k - 1], ranked[k]))
+            step_gaps.append(distance(ranked[k - 1], ranked[k]))
         if decoding.threshold is not None:
-            gaps.append(min(distance(c, threshold) for c in ranked))
+            step_gaps.append(min(distance(c, threshold) for c in ranked))
+        gaps.extend(max(0.0, gap - noise) for gap in step_gaps)
 
     diffusion_generate(model, ids, config=decoding, eos_token_id=eos, recorder=record)
     return min(gaps) if gaps else None

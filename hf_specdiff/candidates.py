@@ -304,7 +304,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.static = static_cache_length is not None
         if self.static:
             self.cache_slots = static_cache_length + 2 * self.block_size  # the target's, plus context padding, a block
-            self.cache = _compat.new_static_cache(self.drafter.config, self.cache_slots)
+            self.cache = _compat.reused_static_cache(self.drafter, self.drafter.config, self.cache_slots)
             self.slot_index = torch.arange(self.cache_slots, device=self.device)
         else:
             self.cache = DynamicCache()

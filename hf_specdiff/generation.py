@@ -196,7 +196,7 @@ def speculative_decoding(
     static = generation_config.cache_implementation == "static"
     if static:
         room = _compat.static_cache_length(model, generation_config) + block_size
-        cache = _compat.new_static_cache(model.config.get_text_config(decoder=True), room)
+        cache = _compat.reused_static_cache(model, model.config.get_text_config(decoder=True), room)
     else:
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         cache = DynamicCache() if cache is None else cache

@@ -93,6 +93,15 @@ def test_a_diverging_block_is_explained_only_by_a_near_tie(threshold):
         assert first_divergence_gap(model, prompt, decoding, reference, early, None) >= 0.59
     sampled = DiffusionGenerationConfig(max_new_tokens=16, block_length=8, temperature=0.7)
     assert first_divergence_gap(model, prompt, sampled, reference, early, None) is None
+    # 0.2 logits apart at logits of ~12: a decision in float32, within a bf16 model's rounding (0.0625 per step there)
+    model = PositionLogitsDLM(tie_position=3 + 10, delta=0.2)
+    reference = diffusion_generate(model, prompt, config=decoding).sequences
+    diverged, early = reference.clone(), reference.clone()
+    diverged[0, 3 + 12], early[0, 3 + 5] = 0, 0
+    bf16 = 4 * torch.finfo(torch.bfloat16).eps
+    assert first_divergence_gap(model, prompt, decoding, reference, diverged, None) == pytest.approx(0.2, abs=1e-9)
+    assert first_divergence_gap(model, prompt, decoding, reference, diverged, None, rounding=bf16) == 0.0
+    assert first_divergence_gap(model, prompt, decoding, reference, early, None, rounding=bf16) > 0.05
 
 
 def test_diffusion_demo(tmp_path, capsys):

@@ -92,6 +92,30 @@ def test_static_cache_greedy_equals_plain_and_dynamic(method):
         assert getattr(dynamic, field).get_seq_length() == plain.shape[1] - 1
 
 
+def test_static_caches_are_reused_across_calls_and_emptied():
+    """A second call reuses the target's and the drafter's static caches (a compiled forward under CUDA graphs reads
+    them at fixed addresses), emptied: it decodes what a fresh cache decodes. Another dtype gets new ones."""
+    target = hf_specdiff.enable(make_successor_target())
+    speculator = make_speculator(target, oracle=True)
+    field = _compat.generate_output_cache_field()
+    options = dict(cache_implementation="static", max_cache_len=80, max_new_tokens=30)
+    (_, first), (_, second) = prompts(2, seed=4)
+    out = run(target, speculator, "xpress", first, **options)
+    cache = getattr(out, field)
+    drafter_cache = _compat._reused_static_caches[speculator.drafter][1]
+    keys = cache.layers[0].keys.data_ptr()
+    for prompt in (second, first):
+        again = run(target, speculator, "xpress", prompt, **options)
+        assert getattr(again, field) is cache and cache.layers[0].keys.data_ptr() == keys
+        assert _compat._reused_static_caches[speculator.drafter][1] is drafter_cache
+        assert torch.equal(again.sequences, target.generate(prompt, do_sample=False, max_new_tokens=30))
+    assert torch.equal(again.sequences, out.sequences)
+    target.to(torch.float32), speculator.to(torch.float32)
+    other = run(target, speculator, "xpress", first, **options)
+    assert getattr(other, field) is not cache and getattr(other, field).layers[0].keys.dtype == torch.float32
+    assert torch.equal(other.sequences, out.sequences)
+
+
 @pytest.mark.slow
 def test_compiled_static_decoding_is_lossless_and_compiles_once():
     """torch.compile on the CPU (as `compile_config._compile_all_devices` allows): the compiled verify forward, draft
