@@ -284,13 +284,12 @@ def export_speculator(args) -> None:
     base_model = _card_base_model(args, target, target is None or is_embedded_folder(target))
     card_license = _card_license(args, base_model)
     text = _card_text(args, base_model)
-    measured = _bench_table(args.bench_json, "speculator")
+    measured = _bench_table(args.bench_json, "speculator") or "Not benchmarked yet."
     speculator = AutoSpeculator.from_pretrained(run / "speculator").to(getattr(torch, args.dtype))
     saved = run / SAVED_STEP_FILE
     log = log_of_saved_weights(load_train_log(run), json.loads(saved.read_text())["step"] if saved.is_file() else None)
     last_eval = next((r for r in reversed(log) if any(k.startswith("tau_") for k in r)), {})
     estimate = ", ".join(f"{k[4:]} {v:.2f}" for k, v in last_eval.items() if k.startswith("tau_")) or "not measured"
-    measured = measured or "Not benchmarked yet."
     speculator.save_pretrained(args.output)
     title = args.title or SPECULATOR_TITLE.format(name=base_model.split("/")[-1],
                                                   block_size=speculator.drafter.config.block_size)
@@ -335,7 +334,7 @@ def export_diffusion(args) -> None:
     base_model = _card_base_model(args, base, base in (None, EMBEDDED_BASE))
     card_license = _card_license(args, base_model)
     text = _card_text(args, base_model)
-    measured = _bench_table(args.bench_json, "diffusion LM")
+    measured = _bench_table(args.bench_json, "diffusion LM") or "Not benchmarked yet."
     weights = {name: t.to(getattr(torch, args.dtype)).contiguous() for name, t in load_file(source / WEIGHTS_NAME).items()}
     output.mkdir(parents=True, exist_ok=True)
     for file in source.iterdir():
@@ -350,7 +349,6 @@ def export_diffusion(args) -> None:
     if graph_stale:
         print(f"warning: {output / GRAPH_FILE} was calibrated on the weights this export replaced; recalibrate it with "
               f"`hf-specdiff calibrate --model {output} --output {output}`", file=sys.stderr)
-    measured = measured or "Not benchmarked yet."
     card = render_diffusion_model_card(args.template or default_template("diffusion_lm.md"), published, weights,
                                        train_config, log, graph, {
         "title": args.title or DIFFUSION_TITLE.format(name=base_model.split("/")[-1]), "base_model": base_model,
