@@ -1,7 +1,12 @@
 """Everything hf_specdiff needs from transformers beyond its public extension points, in one place.
 
-Supported: transformers >= 5.17, < 5.25 (tested: 5.17 and 5.24). `tests/test_compat.py` fails loudly outside
-that range, so an upgrade shows which of these facts to re-check:
+Supported: transformers >= 5.17, < 5.26 (tested: 5.17, 5.24 and 5.25). `tests/test_compat.py` fails loudly outside
+that range, so an upgrade shows which of these facts to re-check. Where a fact names 5.24, 5.25 behaves the same.
+
+5.25 lists `kernels>=0.19.1` as a dependency and, with it installed, swaps some layers of a model loaded onto a GPU
+for Hub kernels (RMSNorm, activations, RoPE; both plain and speculative decoding run the swapped target). The package
+registry of this project's machines has no such `kernels`, so 5.25 was tested installed without it and with
+`USE_HUB_KERNELS=0`, which 5.25's `from_pretrained` needs when `kernels` is missing. On a CPU no layer is swapped.
 
 - The KV-cache argument of a model's `forward` is `past_key_values` in 5.17 and `cache` in 5.24.
 - `GenerateDecoderOnlyOutput` names its cache field `past_key_values` in 5.17 and `cache` in 5.24.
@@ -20,7 +25,7 @@ that range, so an upgrade shows which of these facts to re-check:
 - `GenerationMixin._valid_auto_compile_criteria(model_kwargs, generation_config)` decides whether `generate`
   compiles the decoding forward (a compileable, non-dynamic cache on cuda / xpu / neuron / tpu, no
   `disable_compile`, no offload); `CompileConfig._compile_all_devices = True` lifts the device condition (both
-  5.17 and 5.24). The benchmark uses them to report and to force compilation of `ar_static`. The options of that
+  5.17 and 5.24; 5.25 adds mps to the devices). The benchmark uses them to report and to force compilation of `ar_static`. The options of that
   compilation are `generation_config.compile_config`, else `PreTrainedModel._default_compile_config()` (both), which
   the speculative loop also compiles its draft and refinement steps with.
 - With `cache_implementation="static"`, `generate` sizes its static cache to the largest length any call on this model
@@ -39,7 +44,7 @@ from packaging.version import Version
 from transformers import StaticCache
 
 MIN_TRANSFORMERS = Version("5.17.0")
-MAX_TRANSFORMERS_EXCLUSIVE = Version("5.25.0")
+MAX_TRANSFORMERS_EXCLUSIVE = Version("5.26.0")
 TRANSFORMERS_VERSION = Version(transformers.__version__)
 
 
@@ -47,7 +52,7 @@ def check_transformers_version() -> None:
     if not MIN_TRANSFORMERS <= Version(TRANSFORMERS_VERSION.base_version) < MAX_TRANSFORMERS_EXCLUSIVE:
         raise ImportError(
             f"hf_specdiff supports transformers >= {MIN_TRANSFORMERS}, < {MAX_TRANSFORMERS_EXCLUSIVE}; found "
-            f"{transformers.__version__}. Install a supported version: pip install 'transformers>=5.17,<5.25'."
+            f"{transformers.__version__}. Install a supported version: pip install 'transformers>=5.17,<5.26'."
         )
 
 

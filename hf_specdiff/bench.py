@@ -261,10 +261,10 @@ def _compile_kwargs(setting: bool | None) -> dict:
 def _forward_compiled(model, kwargs: dict, out) -> bool:
     """Whether `model.generate(**kwargs)` ran the forward through torch.compile, by transformers' own rule.
 
-    transformers (5.17-5.24, `GenerationMixin._valid_auto_compile_criteria`) compiles the decoding forward of plain
+    transformers (5.17-5.25, `GenerationMixin._valid_auto_compile_criteria`) compiles the decoding forward of plain
     and assisted decoding when the cache is compileable and not a DynamicCache (a static cache), the device is cuda,
-    xpu, neuron or tpu (or `compile_config._compile_all_devices` is set), `disable_compile` is not set, and no
-    quantizer or CPU/disk offload forbids it. We ask that rule with the cache the call returned; our speculative
+    xpu, neuron, tpu or (from 5.25) mps, or `compile_config._compile_all_devices` is set, `disable_compile` is not
+    set, and no quantizer or CPU/disk offload forbids it. We ask that rule with the cache the call returned; our speculative
     loop follows the same rule with a static cache (`dflash_static`, `xpress_static`) and never compiles with the
     dynamic one."""
     from transformers.generation.configuration_utils import GenerationConfig

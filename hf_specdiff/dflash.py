@@ -22,13 +22,14 @@ Checkpoint layout (kept exactly so that z-lab checkpoints load and save back unc
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from ._attention import grouped_query_attention
 
 
 def embedding_sample(target) -> list[float]:
@@ -145,9 +146,7 @@ class DFlashAttention(nn.Module):
         if cache is not None:  # prepend the context K/V of earlier steps
             k, v = cache.update(k, v, self.layer_idx)
         # Non-causal: every slot sees all context and the whole block; only padding is masked.
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=key_padding_mask, enable_gqa=self.num_kv_heads != self.num_heads
-        )
+        out = grouped_query_attention(q, k, v, key_padding_mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, num_slots, -1))
 
 

@@ -56,3 +56,29 @@ def test_auto_compile_rule_is_reachable():
     forced = GenerationConfig(compile_config=_compat.compile_config_for_all_devices())
     assert _compat.forward_compiled(model, forced, cache)
     assert not _compat.forward_compiled(model, forced, DynamicCache())
+
+
+@pytest.mark.parametrize("repeated", [False, True], ids=["grouped-read", "repeated-heads"])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
+def test_grouped_query_attention_equals_attention_over_shared_heads(mask_kind, repeated, monkeypatch):
+    # Query head h reads key/value head h // 3, as SDPA's enable_gqa does, whichever way the kernel gets the heads
+    # (repeated: what CUDA runs under a mask, forced here on the CPU).
+    from hf_specdiff import _attention
+    from hf_specdiff._attention import grouped_query_attention
+
+    monkeypatch.setattr(_attention, "repeats_heads_under_a_mask", lambda device: repeated)
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 6, 5, 8, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(2, 2, 7, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    allowed = torch.rand(2, 1, 5, 7, generator=generator) < 0.7
+    allowed[..., 0] = True  # every query sees something
+    mask = {None: None, "bool": allowed, "additive": torch.zeros(allowed.shape, dtype=torch.float64)
+            .masked_fill(~allowed, float("-inf"))}[mask_kind]
+    scores = query @ key.repeat_interleave(3, dim=1).transpose(-1, -2) / 8 ** 0.5
+    if mask is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    expected = scores.softmax(-1) @ value.repeat_interleave(3, dim=1)
+    torch.testing.assert_close(grouped_query_attention(query, key, value, mask), expected)
+    with pytest.raises(ValueError, match="cannot share"):
+        grouped_query_attention(query[:, :5], key, value, mask)

@@ -44,6 +44,7 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
+from .._attention import grouped_query_attention
 from .._hub import check_folder_or_repo_id
 
 OUR_MODEL_TYPE = "hf_specdiff_diffusion_lm"
@@ -332,8 +333,7 @@ class DiffusionAttention(nn.Module):
         own = (key, value)
         if context is not None:
             key, value = torch.cat([context[0], key], dim=2), torch.cat([context[1], value], dim=2)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.head_dim**-0.5,
-                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        out = grouped_query_attention(query, key, value, mask, scale=self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(b, q, -1)), own
 
 
