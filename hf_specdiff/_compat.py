@@ -25,9 +25,10 @@ registry of this project's machines has no such `kernels`, so 5.25 was tested in
 - `GenerationMixin._valid_auto_compile_criteria(model_kwargs, generation_config)` decides whether `generate`
   compiles the decoding forward (a compileable, non-dynamic cache on cuda / xpu / neuron / tpu, no
   `disable_compile`, no offload); `CompileConfig._compile_all_devices = True` lifts the device condition (both
-  5.17 and 5.24; 5.25 adds mps to the devices). The benchmark uses them to report and to force compilation of `ar_static`. The options of that
-  compilation are `generation_config.compile_config`, else `PreTrainedModel._default_compile_config()` (both), which
-  the speculative loop also compiles its draft and refinement steps with.
+  5.17 and 5.24; 5.25 adds mps to the devices). The benchmark uses them to report and to force compilation of
+  `ar_static`. The options of that compilation are `generation_config.compile_config`, else
+  `PreTrainedModel._default_compile_config()` (both), which the speculative loop also compiles its draft and
+  refinement steps with.
 - With `cache_implementation="static"`, `generate` sizes its static cache to the largest length any call on this model
   asked for so far and remembers it as `model._previous_max_cache_length` (both), so that later calls keep the cache
   shape and the compiled forward does not recompile; the speculative loop sizes its own static caches from it too.

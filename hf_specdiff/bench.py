@@ -264,9 +264,9 @@ def _forward_compiled(model, kwargs: dict, out) -> bool:
     transformers (5.17-5.25, `GenerationMixin._valid_auto_compile_criteria`) compiles the decoding forward of plain
     and assisted decoding when the cache is compileable and not a DynamicCache (a static cache), the device is cuda,
     xpu, neuron, tpu or (from 5.25) mps, or `compile_config._compile_all_devices` is set, `disable_compile` is not
-    set, and no quantizer or CPU/disk offload forbids it. We ask that rule with the cache the call returned; our speculative
-    loop follows the same rule with a static cache (`dflash_static`, `xpress_static`) and never compiles with the
-    dynamic one."""
+    set, and no quantizer or CPU/disk offload forbids it. We ask that rule with the cache the call returned; our
+    speculative loop follows the same rule with a static cache (`dflash_static`, `xpress_static`) and never compiles
+    with the dynamic one."""
     from transformers.generation.configuration_utils import GenerationConfig
 
     from . import _compat

@@ -64,7 +64,6 @@ def test_grouped_query_attention_equals_attention_over_shared_heads(mask_kind, r
     # Query head h reads key/value head h // 3, as SDPA's enable_gqa does, whichever way the kernel gets the heads
     # (repeated: what CUDA runs under a mask, forced here on the CPU).
     from hf_specdiff import _attention
-    from hf_specdiff._attention import grouped_query_attention
 
     monkeypatch.setattr(_attention, "repeats_heads_under_a_mask", lambda device: repeated)
 
@@ -79,6 +78,6 @@ def test_grouped_query_attention_equals_attention_over_shared_heads(mask_kind, r
     if mask is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     expected = scores.softmax(-1) @ value.repeat_interleave(3, dim=1)
-    torch.testing.assert_close(grouped_query_attention(query, key, value, mask), expected)
+    torch.testing.assert_close(_attention.grouped_query_attention(query, key, value, mask), expected)
     with pytest.raises(ValueError, match="cannot share"):
-        grouped_query_attention(query[:, :5], key, value, mask)
+        _attention.grouped_query_attention(query[:, :5], key, value, mask)
