@@ -4,7 +4,9 @@ Why: on a CPU the verify forward of a few tokens costs much more than one token'
 script shows where that comes from. It times the BLAS call behind each Linear for M = 1, 2, 3, ... rows:
 - a decoder projection (576 -> 1536; each of the 30 layers runs 7 projections of this size);
 - the vocabulary read-out (576 -> 49152), as transformers calls it (`F.linear`), and with two other layouts of the
-  same product.
+  same product;
+- a speculator's low-rank read-out (the refiner's and the Markov head's, rank 64 -> 49152) in both layouts that
+  `hf_specdiff/_read_out.py` chooses between.
 
     python examples/linear_cost.py [--rows 1 2 3 4 8 16] [--repeats 20] [--threads N]
 """
@@ -39,11 +41,14 @@ def main() -> None:
     projection = torch.randn(1536, 576)
     read_out = torch.randn(49152, 576)
     read_out_t = read_out.t().contiguous()
+    low_rank = torch.randn(49152, 64)
     layouts = {
         "projection F.linear": lambda x: F.linear(x, projection),
         "read-out F.linear": lambda x: F.linear(x, read_out),
         "read-out x @ W^T (W^T stored)": lambda x: x @ read_out_t,
         "read-out (W @ x^T)^T": lambda x: (read_out @ x.t()).t(),
+        "low-rank read-out F.linear": lambda x: F.linear(x[:, :64], low_rank),
+        "low-rank read-out (W @ x^T)^T": lambda x: (low_rank @ x[:, :64].t()).t(),
     }
     print(f"ms per call, float32, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"{'':32}" + "".join(f"{'M=' + str(m):>9}" for m in args.rows))

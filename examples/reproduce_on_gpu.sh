@@ -30,10 +30,12 @@ distill="$data/distill/smollm2-135m-instruct"
 limit="${BENCH_LIMIT:-20}"
 tokens="${MAX_NEW_TOKENS:-256}"
 budget=(); [[ -n "${TRAIN_MINUTES:-}" ]] && budget=(--time-budget-minutes "$TRAIN_MINUTES")
-quick=(); verify=(--compile); curve_limit=64; curve_sizes=(1 4 16 32 64); calibrate_limit=25; dtype=bfloat16; block=32
+quick=(); quick_speculator=(); quick_diffusion=(); verify=(--compile)
+curve_limit=64; curve_sizes=(1 4 16 32 64); calibrate_limit=25; dtype=bfloat16; block=32
 if [[ "${QUICK:-0}" == 1 ]]; then
   # fp32: bf16 autocast on a CPU without bf16 instructions (AVX2 only) takes ~50 s per toy step
   quick=(--max-steps 3 --batch-size 2 --eval-every 3 --save-every 3 --max-seq-len 128 --mixed-precision no)
+  quick_speculator=(--anchors-per-sequence 4 --holdout-sequences 2); quick_diffusion=(--eval-sequences 4)
   verify=(--widths 1 2 --repeats 1 --context 16)
   limit=2; tokens=16; curve_limit=2; curve_sizes=(1 2); calibrate_limit=1; dtype=float32; block=8
 fi
@@ -46,7 +48,8 @@ run() { echo "+ $*" | tee -a "$out/commands.txt"; "$@"; }
 
 if [[ "$stage" == speculator ]]; then
   run hf-specdiff train --config "$here/configs/smollm2-135m-gpu.json" --output-dir "$out/train" \
-      --data "$distill/gsm8k_train.jsonl" "$distill/sharegpt.jsonl" "${budget[@]}" "${quick[@]}"
+      --data "$distill/gsm8k_train.jsonl" "$distill/sharegpt.jsonl" "${budget[@]}" "${quick[@]}" \
+      "${quick_speculator[@]}"
   bench=(hf-specdiff bench --datasets gsm8k humaneval mt_bench --limit "$limit" --max-new-tokens "$tokens"
          --methods ar ar_static dflash xpress markov dflash_static xpress_static dflash_hf prompt_lookup
          --jacobi-passes 1 2 4 --dtype "$dtype")
@@ -60,7 +63,8 @@ if [[ "$stage" == speculator ]]; then
       --bench-command "${bench[*]} --speculator <this folder>"
 elif [[ "$stage" == diffusion ]]; then
   run hf-specdiff train-diffusion --config "$here/configs/smollm2-135m-diffusion-gpu.json" --output-dir "$out/train" \
-      --data "$distill/gsm8k_train.jsonl" "$distill/sharegpt.jsonl" "${budget[@]}" "${quick[@]}"
+      --data "$distill/gsm8k_train.jsonl" "$distill/sharegpt.jsonl" "${budget[@]}" "${quick[@]}" \
+      "${quick_diffusion[@]}"
   # the shipped form first (adapter in bf16), so that the graph is calibrated on, and the bench measures, what ships
   export=(hf-specdiff export --run "$out/train" --output "$out/diffusion_lm" --dtype bfloat16
           --template "$here/../model_cards/diffusion_lm.md" --train-hardware "$hardware")

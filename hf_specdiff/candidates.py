@@ -28,6 +28,7 @@ from transformers.generation.logits_process import (
 )
 
 from . import _compat
+from ._read_out import module_read_out
 from .batching import RowBatch, append_ragged, last_tokens
 from .markov import markov_decode
 from .xpress import jacobi_refine, jacobi_refine_unrolled
@@ -433,7 +434,7 @@ def draft_block(drafter, embed_tokens, lm_head, block_ids, features, positions, 
         attention_mask=attention_mask,
         cache=cache,
     ).last_hidden_state
-    return hidden, lm_head(hidden[:, 1 : num_drafts + 1].to(lm_head.weight.dtype)).float()
+    return hidden, module_read_out(lm_head, hidden[:, 1 : num_drafts + 1].to(lm_head.weight.dtype)).float()
 
 
 @functools.cache

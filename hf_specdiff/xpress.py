@@ -31,6 +31,8 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 
+from ._read_out import read_out
+
 
 @strict
 class XPressConfig(PreTrainedConfig):
@@ -115,7 +117,7 @@ class XPressRefiner(PreTrainedModel):
         L = self.mix[:, :n, :n].tril()  # (r, n, n): keep j <= k
         x = x + torch.einsum("ckj,bjc->bkc", L, x)
         x = x + self.down(F.silu(self.gate(x)) * self.up(x))
-        return self.w2(x[:, 1 + skip :])
+        return read_out(x[:, 1 + skip :], self.w2.weight)
 
 
 Picker = Callable[[torch.Tensor, "torch.LongTensor | None"], "tuple[torch.LongTensor, torch.Tensor]"]
