@@ -2,14 +2,14 @@
 
 A read-out multiplies M hidden states by a vocabulary-sized weight W (V x H, V >> H). `F.linear` computes x @ W^T.
 On the CPU, MKL's path for that product with a few rows costs about one single-row product per row, while the same
-product in the other layout, (W @ x^T)^T, makes one pass over W for all of them. `python examples/linear_cost.py`
-(MKL 2024.2, 2-core AMD EPYC, float32, 2 threads), ms per call, F.linear against (W @ x^T)^T:
+product in the other layout, (W @ x^T)^T, makes one pass over W for all of them. Ms per call,
+`python examples/linear_cost.py --rows 1 2 3 4 8 16 32 64 --threads 2` (MKL 2024.2, 2-core AMD EPYC, float32):
 
     rows                        1      2      3      4      8     16     32     64
-    W 49152 x 576  F.linear  17.8   35.7   60.5   40.5   41.1   44.4   60.1   92.9
-                   W @ x^T   18.0   11.1   14.0   11.6   19.5   28.1   38.2   58.5
-    W 49152 x 64   F.linear   1.6    3.0    3.8    4.3    3.9    4.1    6.1   11.7
-                   W @ x^T    1.7    2.0    2.8    2.4    2.6    3.6    6.3   17.6
+    W 49152 x 576  F.linear   8.3   18.0   27.3   18.7   18.9   21.3   26.5   38.7
+                   W @ x^T    8.3    4.9    6.2    5.1    8.9   13.9   18.4   28.0
+    W 49152 x 64   F.linear  0.48   0.71   1.05   0.93   1.08   1.75   2.86   4.57
+                   W @ x^T   0.44   0.49   0.72   0.69   1.25   0.82   1.52   2.94
 
 The drafter reads its draft slots out through the target's lm_head (the first shape; B - 1 rows, or
 `num_draft_tokens`), the refiner and the Markov head through their low-rank read-outs (the second), so `read_out`
@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Rows for which the transposed layout measured faster: one row takes BLAS's matrix-vector path, already a single pass
-# over W, and at 64 rows the low-rank read-out is faster in the usual layout.
+# One row takes BLAS's matrix-vector path, already a single pass over W. Up to 32 rows every run measured the transposed
+# layout faster; at 64 an earlier run found the low-rank read-out slower in it (17.6 against 11.7 ms).
 MIN_ROWS, MAX_ROWS = 2, 32
 _VOCABULARY_ASPECT = 16  # a weight at least this many times taller than wide is a read-out
 
