@@ -10,6 +10,8 @@ Times the real target's forward as the speculative loop calls it (hidden states 
 tokens of a GSM8K prompt in the chat template) for each width, eager with a dynamic cache, and with `--compile` also
 with a static cache and the forward compiled as `generate` compiles it (the first calls of each width are excluded).
 Prints the median ms per forward, its ratio to width 1, and so the tau that width - 1 drafts need to break even.
+Where the speculative loop reads the verified logits out itself (a float32 CPU target, `hf_specdiff/_read_out.py`),
+also that: the forward asked for no logits, then the loop's read-out of the last hidden state.
 
     python examples/verify_cost.py [--target PATH] [--device cuda] [--dtype bfloat16] [--compile]
 """
@@ -24,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from hf_specdiff import _compat
+from hf_specdiff._read_out import module_read_out, reads_out_last_hidden_state
 from hf_specdiff.bench import BenchConfig, load_prompts
 from hf_specdiff.candidates import synchronize
 
@@ -35,20 +38,18 @@ def context_ids(tokenizer, length: int, data_dir: str | None = None) -> torch.Lo
     return torch.tensor((ids * (length // len(ids) + 1))[:length])[None]
 
 
-def time_forward(forward, cache, ids, context: int, width: int, repeats: int) -> float:
-    """Median seconds of a forward of `width` tokens after `context` cached ones; the cache is cropped back after
-    each, as the loop crops rejected drafts."""
+def time_forward(forward, cache, ids, context: int, width: int) -> float:
+    """Seconds of one forward of `width` tokens after `context` cached ones; the cache is cropped back after it, as
+    the loop crops rejected drafts."""
     fed = ids[:, context : context + width]
     positions = torch.arange(context, context + width, device=ids.device)[None]
-    seconds = []
-    for _ in range(repeats + 2):  # two warm-up calls (compilation, allocator) excluded
-        synchronize(ids.device)
-        start = time.perf_counter()
-        forward(input_ids=fed, position_ids=positions, use_cache=True, output_hidden_states=True, cache=cache)
-        synchronize(ids.device)
-        seconds.append(time.perf_counter() - start)
-        _compat.crop_cache(cache, width)
-    return statistics.median(seconds[2:])
+    synchronize(ids.device)
+    start = time.perf_counter()
+    forward(input_ids=fed, position_ids=positions, use_cache=True, output_hidden_states=True, cache=cache)
+    synchronize(ids.device)
+    seconds = time.perf_counter() - start
+    _compat.crop_cache(cache, width)
+    return seconds
 
 
 def main():
@@ -81,7 +82,18 @@ def main():
     def forward_with(call):  # the cache under the name this model's forward expects
         return lambda cache, **kwargs: call(**kwargs, **_compat.cache_kwargs(target, cache))
 
-    setups = {"eager": (forward_with(target), lambda: prefilled(DynamicCache(config=target.config)))}
+    dynamic = lambda: prefilled(DynamicCache(config=target.config))
+    setups = {"eager": (forward_with(target), dynamic)}
+    with torch.inference_mode():
+        prefill = target(input_ids=ids[:, : args.context], output_hidden_states=True, logits_to_keep=1)
+    if reads_out_last_hidden_state(target, prefill):  # as the speculative loop decides (hf_specdiff/_read_out.py)
+        head, no_position = target.get_output_embeddings(), torch.empty(0, dtype=torch.long, device=args.device)
+
+        def loop_read_out(cache, **kwargs):
+            outputs = target(**kwargs, logits_to_keep=no_position, **_compat.cache_kwargs(target, cache))
+            return module_read_out(head, outputs.hidden_states[-1])
+
+        setups["eager, loop read-out"] = (loop_read_out, dynamic)
     if args.compile:
         compiled = target.get_compiled_call(_compat.compile_config_for_all_devices())
         static = lambda: prefilled(_compat.new_static_cache(target.config, args.context + max(args.widths)))
@@ -90,14 +102,18 @@ def main():
     print(f"{args.target or 'SmolLM2-135M-Instruct (embedded)'}, {args.device}, {args.dtype}, "
           f"{args.context} cached tokens; ms per forward (x width 1 = tau needed to break even, drafting free)")
     with torch.inference_mode():
-        for name, (forward, new_cache) in setups.items():
-            cache = new_cache()
-            times = {w: time_forward(forward, cache, ids, args.context, w, args.repeats) for w in args.widths}
-            base = times[args.widths[0]] if args.widths[0] == 1 else None
-            cells = "  ".join(f"w{w} {1000 * t:6.1f}" + (f" (x{t / base:.2f})" if base else "")
-                              for w, t in times.items())
-            print(f"{name:<18} {cells}")
-
+        caches = {name: new_cache() for name, (_, new_cache) in setups.items()}
+        seconds = {(name, w): [] for name in setups for w in args.widths}
+        for _ in range(args.repeats + 2):  # interleaved, so that drift hits every cell alike
+            for name, (forward, _) in setups.items():
+                for w in args.widths:
+                    seconds[name, w].append(time_forward(forward, caches[name], ids, args.context, w))
+    width = max(map(len, setups))
+    for name in setups:
+        times = {w: statistics.median(seconds[name, w][2:]) for w in args.widths}  # two warm-up calls excluded
+        base = times[args.widths[0]] if args.widths[0] == 1 else None
+        cells = "  ".join(f"w{w} {1000 * t:6.1f}" + (f" (x{t / base:.2f})" if base else "") for w, t in times.items())
+        print(f"{name:<{width}}  {cells}")
 
 if __name__ == "__main__":
     main()

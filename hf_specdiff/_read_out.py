@@ -1,4 +1,5 @@
-"""The speculator's vocabulary read-outs of a few rows, in the faster of the two BLAS layouts on the CPU.
+"""Vocabulary read-outs of a few rows (the speculator's drafts, the target's verified positions), in the faster of
+the two BLAS layouts on the CPU.
 
 A read-out multiplies M hidden states by a vocabulary-sized weight W (V x H, V >> H). `F.linear` computes x @ W^T.
 On the CPU, MKL's path for that product with a few rows costs about one single-row product per row, while the same
@@ -13,13 +14,24 @@ product in the other layout, (W @ x^T)^T, makes one pass over W for all of them.
 
 The drafter reads its draft slots out through the target's lm_head (the first shape; B - 1 rows, or
 `num_draft_tokens`), the refiner and the Markov head through their low-rank read-outs (the second), so `read_out`
-serves all three. Drafts are all these logits ever make, and both layouts sum the same products in another order.
+serves all three. Both layouts sum the same products, in another order.
 
-The target's own verify forward keeps `F.linear`: reaching its read-out without changing the model takes a
-`TorchFunctionMode` around the forward, whose Python dispatch of every op cost about as much as the layout saved
-(SmolLM2-135M over 256 cached tokens, without / with the mode: a 4-token forward 228 / 215 ms, a 1-token one
-125 / 144 ms). The decoder's projections (576 x 1536 and smaller) gain nothing from the other layout.
-On CUDA and other devices, and for other dtypes, `F.linear` runs as always.
+The target's verify forward reads out its few verified positions the same way, without changing the model: the loop
+asks the forward for the logits of no position (`logits_to_keep`, a transformers forward argument) and reads them out
+of the last hidden state itself (`reads_out_last_hidden_state` says where that is the model's own computation). A
+verify forward over 256 cached tokens of SmolLM2-135M, median ms, the two interleaved
+(`python examples/verify_cost.py --widths 1 2 3 4 8 16 --repeats 20`, 2026-12-02):
+
+    width (anchor + drafts)     1      2      3      4      8     16
+    model's read-out         79.2  132.5  155.0  128.7  131.4  156.1
+    loop's read-out          77.2  109.9  128.1  107.7  120.8  141.8
+
+The target's logits so differ from its own read-out's only in the order the same products are summed, as they
+already differ between a forward of one token and of several.
+
+(An earlier try reached the model's read-out through a `TorchFunctionMode` around the forward; its Python dispatch of
+every op cost about as much as the layout saved.) The decoder's projections (576 x 1536 and smaller) gain nothing
+from the other layout. On CUDA and other devices, and for other dtypes, `F.linear` runs as always.
 """
 
 from __future__ import annotations
@@ -60,3 +72,22 @@ def module_read_out(lm_head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(lm_head) is torch.nn.Linear:
         return read_out(x, lm_head.weight, lm_head.bias)
     return lm_head(x)
+
+
+@torch.no_grad()
+def reads_out_last_hidden_state(model, outputs) -> bool:
+    """Whether the speculative loop may skip `model`'s own read-out in its verify forwards and compute the logits as
+    `module_read_out(head, last hidden state)`: only for a float32 CPU model (elsewhere `read_out` is `F.linear`,
+    nothing to gain) with a plain `nn.Linear` head, and only where `outputs`, the prefill forward's (with hidden
+    states), shows that its logits are exactly that head on the last hidden state. A model that scales, soft-caps or
+    otherwise post-processes its logits fails the check and keeps its own read-out."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.weight.device.type != "cpu" or head.weight.dtype != torch.float32:
+        return False
+    if outputs.logits is None or not outputs.logits.shape[1] or not outputs.hidden_states:
+        return False
+    last = outputs.hidden_states[-1][:, -1:]  # left padding: every row's last position is a real token
+    expected = F.linear(last, head.weight, head.bias)
+    return expected.shape == outputs.logits[:, -1:].shape and torch.allclose(
+        expected, outputs.logits[:, -1:].float(), rtol=1e-4, atol=1e-4
+    )

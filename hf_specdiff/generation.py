@@ -47,6 +47,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import _compat
+from ._read_out import module_read_out, reads_out_last_hidden_state
 from .batching import RowBatch
 from .candidates import BlockDiffusionCandidateGenerator, SpeculationStats, process_logits, synchronize
 
@@ -215,7 +216,7 @@ def speculative_decoding(
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    outputs, first = None, True
+    outputs, first, own_read_out = None, True, False
     while True:
         # 1. Draft and resolve a block per row (nothing on the first pass: the target has not run yet).
         candidate_ids, draft_scores = drafter.get_candidates(
@@ -236,14 +237,24 @@ def speculative_decoding(
         if padding:  # the padded slots' logits are ignored and their K/V cropped below, like rejected drafts'
             fed = torch.cat([fed, fed[:, -1:].expand(-1, padding)], dim=1)
             positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, padding + 1, device=fed.device)], 1)
-        logits_kwargs = {"logits_to_keep": num_drafts + 1} if "logits_to_keep" in model_kwargs and not static else {}
+        if own_read_out:  # the forward reads out no position; the loop does, in the layout that pays on the CPU
+            logits_kwargs = {"logits_to_keep": torch.empty(0, dtype=torch.long, device=fed.device)}
+        elif "logits_to_keep" in model_kwargs and not static:
+            logits_kwargs = {"logits_to_keep": num_drafts + 1}
+        else:
+            logits_kwargs = {}
         outputs = (model if first else verify_forward)(  # the prefill's shape is seen once: never compiled
             input_ids=fed, position_ids=positions, attention_mask=attention_mask, use_cache=True,
             output_hidden_states=True, **logits_kwargs, **_compat.cache_kwargs(model, cache),
         )
         stats.target_forwards += 1
-        end = outputs.logits.shape[1] - padding
-        target_logits = outputs.logits[:, end - num_drafts - 1 : end].float()  # (b, n+1, V)
+        if own_read_out:
+            end = fed.shape[1] - padding
+            last_hidden = outputs.hidden_states[-1][:, end - num_drafts - 1 : end]
+            target_logits = module_read_out(model.get_output_embeddings(), last_hidden)  # (b, n+1, V) float32
+        else:
+            end = outputs.logits.shape[1] - padding
+            target_logits = outputs.logits[:, end - num_drafts - 1 : end].float()  # (b, n+1, V)
         if compiled:  # a compiled forward may reuse its output buffers at the next call (CUDA graphs)
             target_logits = target_logits.clone()
         target_scores = process_logits(logits_processor, candidate_ids, target_logits, rows.lengths, rows)
@@ -260,6 +271,10 @@ def speculative_decoding(
         synchronize(input_ids.device)
         if first:
             stats.prefill_seconds += time.perf_counter() - start
+            # Decided once, on the prefill's output (a check of the model's logits, `_read_out.py`).
+            own_read_out = not compiled and "logits_to_keep" in model_kwargs and reads_out_last_hidden_state(
+                model, outputs
+            )
         else:
             stats.verify_seconds += time.perf_counter() - start
 
