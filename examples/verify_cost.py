@@ -115,5 +115,6 @@ def main():
         cells = "  ".join(f"w{w} {1000 * t:6.1f}" + (f" (x{t / base:.2f})" if base else "") for w, t in times.items())
         print(f"{name:<{width}}  {cells}")
 
+
 if __name__ == "__main__":
     main()

@@ -216,7 +216,10 @@ def speculative_decoding(
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    outputs, first, own_read_out = None, True, False
+    outputs, first = None, True
+    # The target's head and an empty position index where the loop reads the verify logits out itself (decided on the
+    # prefill's output), else None.
+    verify_head = no_position = None
     while True:
         # 1. Draft and resolve a block per row (nothing on the first pass: the target has not run yet).
         candidate_ids, draft_scores = drafter.get_candidates(
@@ -237,8 +240,8 @@ def speculative_decoding(
         if padding:  # the padded slots' logits are ignored and their K/V cropped below, like rejected drafts'
             fed = torch.cat([fed, fed[:, -1:].expand(-1, padding)], dim=1)
             positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, padding + 1, device=fed.device)], 1)
-        if own_read_out:  # the forward reads out no position; the loop does, in the layout that pays on the CPU
-            logits_kwargs = {"logits_to_keep": torch.empty(0, dtype=torch.long, device=fed.device)}
+        if verify_head is not None:  # the forward reads out no position; the loop does, in the layout that pays
+            logits_kwargs = {"logits_to_keep": no_position}
         elif "logits_to_keep" in model_kwargs and not static:
             logits_kwargs = {"logits_to_keep": num_drafts + 1}
         else:
@@ -248,10 +251,10 @@ def speculative_decoding(
             output_hidden_states=True, **logits_kwargs, **_compat.cache_kwargs(model, cache),
         )
         stats.target_forwards += 1
-        if own_read_out:
+        if verify_head is not None:
             end = fed.shape[1] - padding
             last_hidden = outputs.hidden_states[-1][:, end - num_drafts - 1 : end]
-            target_logits = module_read_out(model.get_output_embeddings(), last_hidden)  # (b, n+1, V) float32
+            target_logits = module_read_out(verify_head, last_hidden)  # (b, n+1, V) float32
         else:
             end = outputs.logits.shape[1] - padding
             target_logits = outputs.logits[:, end - num_drafts - 1 : end].float()  # (b, n+1, V)
@@ -272,9 +275,9 @@ def speculative_decoding(
         if first:
             stats.prefill_seconds += time.perf_counter() - start
             # Decided once, on the prefill's output (a check of the model's logits, `_read_out.py`).
-            own_read_out = not compiled and "logits_to_keep" in model_kwargs and reads_out_last_hidden_state(
-                model, outputs
-            )
+            if not compiled and "logits_to_keep" in model_kwargs and reads_out_last_hidden_state(model, outputs):
+                verify_head = model.get_output_embeddings()
+                no_position = torch.empty(0, dtype=torch.long, device=input_ids.device)
         else:
             stats.verify_seconds += time.perf_counter() - start
 
