@@ -1,12 +1,13 @@
-"""Time one Linear layer of the embedded SmolLM2-135M's shapes by the number of rows it is applied to.
+"""Time the Linear layers of the embedded SmolLM2-135M's shapes by the number of rows they are applied to.
 
 Why: on a CPU the verify forward of a few tokens costs much more than one token's forward (`verify_cost.py`). This
-script shows where that comes from. It times the BLAS call behind each Linear for M = 1, 2, 3, ... rows:
-- a decoder projection (576 -> 1536; each of the 30 layers runs 7 projections of this size);
-- the vocabulary read-out (576 -> 49152), as transformers calls it (`F.linear`), and with two other layouts of the
-  same product;
-- a speculator's low-rank read-out (the refiner's and the Markov head's, rank 64 -> 49152) in both layouts that
-  `hf_specdiff/_read_out.py` chooses between.
+script shows where that comes from. It times the BLAS call behind each Linear for M = 1, 2, 3, ... rows, as
+transformers calls it (`F.linear`, x @ W^T) and in the other layout ((W @ x^T)^T) that `hf_specdiff/_cpu_linear.py`
+chooses between:
+- the decoder's projections: all 210 of the 30 layers (q, k, v, o, gate, up, down), each its own weight, so that
+  they stream from memory as in a forward (one weight timed alone stays in the cache and hides that);
+- the vocabulary read-out (576 -> 49152), and, as transformers calls it, with W^T stored instead (a copy of W);
+- a speculator's low-rank read-out (the refiner's and the Markov head's, rank 64 -> 49152).
 
     python examples/linear_cost.py [--rows 1 2 3 4 8 16] [--repeats 20] [--threads N]
 """
@@ -38,26 +39,28 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    projection = torch.randn(1536, 576)
+    shapes = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # per layer
+    projections = [torch.randn(out_features, in_features) for _ in range(30) for out_features, in_features in shapes]
     read_out = torch.randn(49152, 576)
     read_out_t = read_out.t().contiguous()
     low_rank = torch.randn(49152, 64)
     layouts = {
-        "projection F.linear": lambda x: F.linear(x, projection),
-        "read-out F.linear": lambda x: F.linear(x, read_out),
-        "read-out x @ W^T (W^T stored)": lambda x: x @ read_out_t,
-        "read-out (W @ x^T)^T": lambda x: (read_out @ x.t()).t(),
-        "low-rank read-out F.linear": lambda x: F.linear(x[:, :64], low_rank),
-        "low-rank read-out (W @ x^T)^T": lambda x: (low_rank @ x[:, :64].t()).t(),
-    }
+        "30 layers' projections F.linear": lambda x: [F.linear(x[w.shape[1]], w) for w in projections],
+        "30 layers' projections (W@x^T)^T": lambda x: [(w @ x[w.shape[1]].t()).t() for w in projections],
+        "read-out F.linear": lambda x: F.linear(x[576], read_out),
+        "read-out x @ W^T (W^T stored)": lambda x: x[576] @ read_out_t,
+        "read-out (W @ x^T)^T": lambda x: (read_out @ x[576].t()).t(),
+        "low-rank read-out F.linear": lambda x: F.linear(x[64], low_rank),
+        "low-rank read-out (W @ x^T)^T": lambda x: (low_rank @ x[64].t()).t(),
+    }  # x: the M input rows by their width
     print(f"ms per call, float32, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(f"{'':32}" + "".join(f"{'M=' + str(m):>9}" for m in args.rows))
+    print(f"{'':34}" + "".join(f"{'M=' + str(m):>9}" for m in args.rows))
     for name, fn in layouts.items():
         cells = []
         for rows in args.rows:
-            x = torch.randn(rows, 576)
+            x = {width: torch.randn(rows, width) for width in (64, 576, 1536)}
             cells.append(milliseconds(lambda: fn(x), args.repeats))
-        print(f"{name:32}" + "".join(f"{c:9.2f}" for c in cells))
+        print(f"{name:34}" + "".join(f"{c:9.2f}" for c in cells))
 
 
 if __name__ == "__main__":

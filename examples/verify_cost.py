@@ -9,9 +9,10 @@ acceptance sets the ceiling; on a CPU t grows with the width and sets it itself 
 Times the real target's forward as the speculative loop calls it (hidden states out, a KV cache of `--context`
 tokens of a GSM8K prompt in the chat template) for each width, eager with a dynamic cache, and with `--compile` also
 with a static cache and the forward compiled as `generate` compiles it (the first calls of each width are excluded).
-Prints the median ms per forward, its ratio to width 1, and so the tau that width - 1 drafts need to break even.
-Where the speculative loop reads the verified logits out itself (a float32 CPU target, `hf_specdiff/_read_out.py`),
-also that: the forward asked for no logits, then the loop's read-out of the last hidden state.
+Prints the median ms per forward, its ratio to plain decoding's forward (eager width 1; for static + compiled, its own
+width 1), and so the tau that width - 1 drafts need to break even.
+For a float32 CPU target also the forward as the speculative loop runs it there, its Linear layers in the faster BLAS
+layout for a few rows (`hf_specdiff/_cpu_linear.py`).
 
     python examples/verify_cost.py [--target PATH] [--device cuda] [--dtype bfloat16] [--compile]
 """
@@ -26,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from hf_specdiff import _compat
-from hf_specdiff._read_out import module_read_out, reads_out_last_hidden_state
+from hf_specdiff._cpu_linear import FewRowLinears, few_row_linears
 from hf_specdiff.bench import BenchConfig, load_prompts
 from hf_specdiff.candidates import synchronize
 
@@ -84,23 +85,20 @@ def main():
 
     dynamic = lambda: prefilled(DynamicCache(config=target.config))
     setups = {"eager": (forward_with(target), dynamic)}
-    with torch.inference_mode():
-        prefill = target(input_ids=ids[:, : args.context], output_hidden_states=True, logits_to_keep=1)
-    if reads_out_last_hidden_state(target, prefill):  # as the speculative loop decides (hf_specdiff/_read_out.py)
-        head, no_position = target.get_output_embeddings(), torch.empty(0, dtype=torch.long, device=args.device)
+    if isinstance(few_row_linears(target), FewRowLinears):  # as the speculative loop decides
 
-        def loop_read_out(cache, **kwargs):
-            outputs = target(**kwargs, logits_to_keep=no_position, **_compat.cache_kwargs(target, cache))
-            return module_read_out(head, outputs.hidden_states[-1])
+        def few_row_layout(cache, **kwargs):
+            with few_row_linears(target):
+                return target(**kwargs, **_compat.cache_kwargs(target, cache))
 
-        setups["eager, loop read-out"] = (loop_read_out, dynamic)
+        setups["eager, few-row layout"] = (few_row_layout, dynamic)
     if args.compile:
         compiled = target.get_compiled_call(_compat.compile_config_for_all_devices())
         static = lambda: prefilled(_compat.new_static_cache(target.config, args.context + max(args.widths)))
         setups["static + compiled"] = (forward_with(compiled), static)
 
     print(f"{args.target or 'SmolLM2-135M-Instruct (embedded)'}, {args.device}, {args.dtype}, "
-          f"{args.context} cached tokens; ms per forward (x width 1 = tau needed to break even, drafting free)")
+          f"{args.context} cached tokens; ms per forward (x plain decoding's = tau needed to break even, drafting free)")
     with torch.inference_mode():
         caches = {name: new_cache() for name, (_, new_cache) in setups.items()}
         seconds = {(name, w): [] for name in setups for w in args.widths}
@@ -111,7 +109,8 @@ def main():
     width = max(map(len, setups))
     for name in setups:
         times = {w: statistics.median(seconds[name, w][2:]) for w in args.widths}  # two warm-up calls excluded
-        base = times[args.widths[0]] if args.widths[0] == 1 else None
+        plain_setup = name if name == "static + compiled" else "eager"  # what plain decoding runs beside it
+        base = statistics.median(seconds[plain_setup, 1][2:]) if 1 in args.widths else None
         cells = "  ".join(f"w{w} {1000 * t:6.1f}" + (f" (x{t / base:.2f})" if base else "") for w, t in times.items())
         print(f"{name:<{width}}  {cells}")
 

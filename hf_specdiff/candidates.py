@@ -9,6 +9,7 @@ q is the true draft distribution; the refiner only ever touches draft logits, ne
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from transformers.generation.logits_process import (
 )
 
 from . import _compat
-from ._read_out import module_read_out
+from ._cpu_linear import few_row_linears
 from .batching import RowBatch, append_ragged, last_tokens
 from .markov import markov_decode
 from .xpress import jacobi_refine, jacobi_refine_unrolled
@@ -345,10 +346,10 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         context_length = width - 1 if context_mask is None else context_mask.shape[1]  # target cache slots
         # slots whose features are not cached yet (a batch's compaction may have shrunk the dynamic cache)
         num_new = context_length - (self.cached_context if self.static else self.cache.get_seq_length())
-        features = self.drafter.context_features(model_outputs.hidden_states, num_new).to(self.device)
         block_ids = torch.full((batch, self.block_size), self.mask_token_id, device=input_ids.device)
         block_ids[:, 0] = last_tokens(input_ids, sequence_lengths, 1)[:, 0]
         if self.static:
+            features = self.drafter.context_features(model_outputs.hidden_states, num_new).to(self.device)
             hidden, drafter_logits = self._draft_static(block_ids, features, context_length, num_new)
         else:
             attention_mask = None
@@ -361,8 +362,11 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
                 positions = torch.cat([(seen[:, context_length - num_new :] - 1).clamp(min=0), seen[:, -1:] + block], 1)
                 attention_mask = torch.cat([context_mask, context_mask.new_ones(batch, self.block_size)], 1)
                 attention_mask = attention_mask.to(self.device)
-            hidden, drafter_logits = draft_block(self.drafter, self.embed_tokens, self.lm_head, block_ids, features,
-                                                 positions, attention_mask, self.cache, self.max_drafts)
+            # Eager, so its few rows take the faster BLAS layout on the CPU (`_cpu_linear.py`).
+            with few_row_linears(self.drafter, self.lm_head):
+                features = self.drafter.context_features(model_outputs.hidden_states, num_new).to(self.device)
+                hidden, drafter_logits = draft_block(self.drafter, self.embed_tokens, self.lm_head, block_ids,
+                                                     features, positions, attention_mask, self.cache, self.max_drafts)
             _compat.crop_cache(self.cache, self.block_size)  # keep context K/V only
         synchronize(self.device)
         if num_new == context_length:  # the first block: its drafter pass also read the whole prompt
@@ -416,8 +420,10 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         visible = (slots < context_length) | ((slots >= block_start) & (slots < block_start + self.block_size))
         # The first call's context width is the prompt's, a shape seen once: it runs eagerly, like the target's prefill.
         step = draft_block if self.cached_context == 0 else self.draft_step
-        out = step(self.drafter, self.embed_tokens, self.lm_head, block_ids, features,
-                   positions.expand(block_ids.shape[0], -1), visible[None, None, None, :], self.cache, self.max_drafts)
+        with few_row_linears(self.drafter, self.lm_head) if step is draft_block else contextlib.nullcontext():
+            out = step(self.drafter, self.embed_tokens, self.lm_head, block_ids, features,
+                       positions.expand(block_ids.shape[0], -1), visible[None, None, None, :], self.cache,
+                       self.max_drafts)
         _compat.crop_cache(self.cache, width - num_new + self.block_size)  # keep the real context K/V only
         self.cached_context = context_length
         return out
@@ -434,7 +440,7 @@ def draft_block(drafter, embed_tokens, lm_head, block_ids, features, positions, 
         attention_mask=attention_mask,
         cache=cache,
     ).last_hidden_state
-    return hidden, module_read_out(lm_head, hidden[:, 1 : num_drafts + 1].to(lm_head.weight.dtype)).float()
+    return hidden, lm_head(hidden[:, 1 : num_drafts + 1].to(lm_head.weight.dtype)).float()
 
 
 @functools.cache

@@ -25,6 +25,7 @@ which removes the per-kernel launch cost that bounds a small target's eager deco
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import time
@@ -47,7 +48,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import _compat
-from ._read_out import module_read_out, reads_out_last_hidden_state
+from ._cpu_linear import few_row_linears
 from .batching import RowBatch
 from .candidates import BlockDiffusionCandidateGenerator, SpeculationStats, process_logits, synchronize
 
@@ -217,9 +218,6 @@ def speculative_decoding(
         streamer.put(input_ids.cpu())
 
     outputs, first = None, True
-    # The target's head and an empty position index where the loop reads the verify logits out itself (decided on the
-    # prefill's output), else None.
-    verify_head = no_position = None
     while True:
         # 1. Draft and resolve a block per row (nothing on the first pass: the target has not run yet).
         candidate_ids, draft_scores = drafter.get_candidates(
@@ -240,24 +238,16 @@ def speculative_decoding(
         if padding:  # the padded slots' logits are ignored and their K/V cropped below, like rejected drafts'
             fed = torch.cat([fed, fed[:, -1:].expand(-1, padding)], dim=1)
             positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, padding + 1, device=fed.device)], 1)
-        if verify_head is not None:  # the forward reads out no position; the loop does, in the layout that pays
-            logits_kwargs = {"logits_to_keep": no_position}
-        elif "logits_to_keep" in model_kwargs and not static:
-            logits_kwargs = {"logits_to_keep": num_drafts + 1}
-        else:
-            logits_kwargs = {}
-        outputs = (model if first else verify_forward)(  # the prefill's shape is seen once: never compiled
-            input_ids=fed, position_ids=positions, attention_mask=attention_mask, use_cache=True,
-            output_hidden_states=True, **logits_kwargs, **_compat.cache_kwargs(model, cache),
-        )
+        logits_kwargs = {"logits_to_keep": num_drafts + 1} if "logits_to_keep" in model_kwargs and not static else {}
+        # An eager verify forward on the CPU runs its few rows through the faster BLAS layout (`_cpu_linear.py`).
+        with contextlib.nullcontext() if first or compiled else few_row_linears(model):
+            outputs = (model if first else verify_forward)(  # the prefill's shape is seen once: never compiled
+                input_ids=fed, position_ids=positions, attention_mask=attention_mask, use_cache=True,
+                output_hidden_states=True, **logits_kwargs, **_compat.cache_kwargs(model, cache),
+            )
         stats.target_forwards += 1
-        if verify_head is not None:
-            end = fed.shape[1] - padding
-            last_hidden = outputs.hidden_states[-1][:, end - num_drafts - 1 : end]
-            target_logits = module_read_out(verify_head, last_hidden)  # (b, n+1, V) float32
-        else:
-            end = outputs.logits.shape[1] - padding
-            target_logits = outputs.logits[:, end - num_drafts - 1 : end].float()  # (b, n+1, V)
+        end = outputs.logits.shape[1] - padding
+        target_logits = outputs.logits[:, end - num_drafts - 1 : end].float()  # (b, n+1, V)
         if compiled:  # a compiled forward may reuse its output buffers at the next call (CUDA graphs)
             target_logits = target_logits.clone()
         target_scores = process_logits(logits_processor, candidate_ids, target_logits, rows.lengths, rows)
@@ -274,10 +264,6 @@ def speculative_decoding(
         synchronize(input_ids.device)
         if first:
             stats.prefill_seconds += time.perf_counter() - start
-            # Decided once, on the prefill's output (a check of the model's logits, `_read_out.py`).
-            if not compiled and "logits_to_keep" in model_kwargs and reads_out_last_hidden_state(model, outputs):
-                verify_head = model.get_output_embeddings()
-                no_position = torch.empty(0, dtype=torch.long, device=input_ids.device)
         else:
             stats.verify_seconds += time.perf_counter() - start
 

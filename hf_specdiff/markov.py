@@ -17,7 +17,7 @@ from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
-from ._read_out import read_out
+from ._cpu_linear import linear
 
 
 @strict
@@ -58,7 +58,7 @@ class MarkovHead(PreTrainedModel):
 
     def forward(self, prev_tokens: torch.LongTensor) -> torch.Tensor:
         """Logit bias given the previous token(s): (..., V)."""
-        return read_out(self.w1(prev_tokens), self.w2.weight)
+        return linear(self.w1(prev_tokens), self.w2.weight)
 
 
 PickSlot = Callable[[torch.Tensor, int, torch.LongTensor], "tuple[torch.LongTensor, torch.Tensor]"]

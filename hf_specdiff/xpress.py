@@ -31,7 +31,7 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 
-from ._read_out import read_out
+from ._cpu_linear import linear
 
 
 @strict
@@ -117,7 +117,7 @@ class XPressRefiner(PreTrainedModel):
         L = self.mix[:, :n, :n].tril()  # (r, n, n): keep j <= k
         x = x + torch.einsum("ckj,bjc->bkc", L, x)
         x = x + self.down(F.silu(self.gate(x)) * self.up(x))
-        return read_out(x[:, 1 + skip :], self.w2.weight)
+        return linear(x[:, 1 + skip :], self.w2.weight)
 
 
 Picker = Callable[[torch.Tensor, "torch.LongTensor | None"], "tuple[torch.LongTensor, torch.Tensor]"]

@@ -69,9 +69,10 @@ def test_linear_cost_prints_one_row_per_layout():
     out = subprocess.run([sys.executable, str(script), "--rows", "1", "2", "--repeats", "1", "--threads", "1"],
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0].startswith("ms per call, float32, 1 threads") and out[1].split() == ["M=1", "M=2"]
-    rows = {line[:32].strip(): [float(v) for v in line[32:].split()] for line in out[2:]}
-    assert set(rows) == {"projection F.linear", "read-out F.linear", "read-out x @ W^T (W^T stored)",
-                         "read-out (W @ x^T)^T", "low-rank read-out F.linear", "low-rank read-out (W @ x^T)^T"}
+    rows = {line[:34].strip(): [float(v) for v in line[34:].split()] for line in out[2:]}
+    assert set(rows) == {"30 layers' projections F.linear", "30 layers' projections (W@x^T)^T", "read-out F.linear",
+                         "read-out x @ W^T (W^T stored)", "read-out (W @ x^T)^T", "low-rank read-out F.linear",
+                         "low-rank read-out (W @ x^T)^T"}
     assert all(len(values) == 2 and min(values) > 0 for values in rows.values())
 
 

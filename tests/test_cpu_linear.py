@@ -1,0 +1,159 @@
+"""The CPU few-row layout (`_cpu_linear.py`): the same products as `F.linear`, taken only where it was measured to pay;
+with it in the target's verify forwards and the drafter's passes, speculative greedy output is still the target's own,
+batched and with a target that post-processes its logits; the mode never outlives the call that entered it."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hf_specdiff
+from hf_specdiff import _cpu_linear
+from hf_specdiff._cpu_linear import FewRowLinears, few_row_linears, linear, transposed_layout_pays
+
+from conftest import make_speculator, make_successor_target, make_target
+
+VOCAB, HIDDEN = 512, 24
+
+
+@pytest.mark.parametrize("shape", [(1, HIDDEN), (2, HIDDEN), (1, 5, HIDDEN), (2, 16, HIDDEN), (33, HIDDEN)])
+@pytest.mark.parametrize("out_features", [VOCAB, HIDDEN])  # a read-out, a projection
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_equals_f_linear(shape, out_features, with_bias):
+    torch.manual_seed(0)
+    x, weight = torch.randn(shape), torch.randn(out_features, HIDDEN)
+    bias = torch.randn(out_features) if with_bias else None
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    out = linear(x, weight, bias)
+    assert out.shape == expected.shape and out.dtype == torch.float32 and out.is_contiguous()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_transposed_layout_only_for_a_few_rows_of_a_float32_cpu_weight():
+    weight = torch.randn(VOCAB, HIDDEN)
+    assert not transposed_layout_pays(torch.randn(1, HIDDEN), weight)  # one row: BLAS's matrix-vector path
+    assert transposed_layout_pays(torch.randn(1, 2, HIDDEN), weight)
+    assert transposed_layout_pays(torch.randn(2, 16, HIDDEN), weight)  # 32 rows
+    assert not transposed_layout_pays(torch.randn(33, HIDDEN), weight)
+    assert not transposed_layout_pays(torch.randn(4, HIDDEN).double(), weight.double())  # not measured
+    assert transposed_layout_pays(torch.randn(4, HIDDEN), torch.randn(HIDDEN, HIDDEN))  # a projection too
+
+
+def recorded_linears(monkeypatch) -> list[tuple[torch.Tensor, bool]]:
+    """(weight, transposed layout taken) of every call that `FewRowLinears` routes through `linear`."""
+    calls, original = [], _cpu_linear.linear
+
+    def recording(input, weight, bias=None):
+        calls.append((weight, transposed_layout_pays(input, weight)))
+        return original(input, weight, bias)
+
+    monkeypatch.setattr(_cpu_linear, "linear", recording)
+    return calls
+
+
+def test_the_mode_routes_every_f_linear_through_linear_and_only_while_active(monkeypatch):
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(HIDDEN, VOCAB), torch.randn(1, 4, HIDDEN)
+    calls = recorded_linears(monkeypatch)
+    layer(x)
+    assert not calls  # outside the mode: F.linear as always
+    with FewRowLinears():
+        out = layer(x)
+        F.linear(x[0, :1], layer.weight)  # one row: routed, left to F.linear
+    assert [taken for _, taken in calls] == [True, False] and all(w is layer.weight for w, _ in calls)
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_the_mode_only_where_a_model_has_float32_cpu_weights():
+    assert isinstance(few_row_linears(torch.nn.Linear(2, 2)), FewRowLinears)
+    assert isinstance(few_row_linears(torch.nn.Linear(2, 2).double()), contextlib.nullcontext)
+    assert isinstance(few_row_linears(torch.nn.Linear(2, 2).double(), torch.nn.Linear(2, 2)), FewRowLinears)
+    assert isinstance(few_row_linears(torch.nn.Identity()), contextlib.nullcontext)  # no weights at all
+
+
+def target_weights(target) -> set[int]:
+    """The Linear weights of its decoder layers, and its read-out."""
+    return {id(p) for name, p in target.named_parameters() if "layers" in name and p.dim() == 2} | {
+        id(target.lm_head.weight)
+    }
+
+
+@pytest.mark.parametrize("method", ["dflash", "xpress", "markov"])
+def test_float32_greedy_output_equals_plain_greedy_with_the_few_row_layout(method, monkeypatch):
+    target = make_target(vocab_size=VOCAB, hidden_size=HIDDEN, dtype=torch.float32)
+    speculator = make_speculator(target).to(torch.float32)
+    prompt = torch.tensor([[1, 5, 9, 13]])
+    plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    hf_specdiff.enable(target)
+    calls = recorded_linears(monkeypatch)
+    ours = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=speculator, speculation=method)
+    assert torch.equal(ours, plain)
+    drafter_weights = {id(p) for p in speculator.drafter.parameters()}
+    taken = {id(weight) for weight, transposed in calls if transposed}
+    assert target_weights(target) <= taken  # every projection and the read-out of the verify forwards
+    assert taken & drafter_weights  # and the drafter's
+    assert torch._C._len_torch_function_stack() == 0
+
+
+@pytest.mark.parametrize("method", ["dflash", "xpress"])
+@pytest.mark.parametrize("num_draft_tokens", [None, 3])
+def test_batched_greedy_output_equals_plain_batched_greedy_with_the_few_row_layout(method, num_draft_tokens,
+                                                                                   monkeypatch):
+    target = make_successor_target(dtype=torch.float32, vocab_size=VOCAB)
+    speculator = make_speculator(target, oracle=True).to(torch.float32)
+    prompts = torch.tensor([[0, 0, 1, 5, 9], [2, 3, 4, 7, 8], [0, 0, 0, 6, 11]])
+    mask = (torch.arange(5) >= torch.tensor([[2], [0], [3]])).long()
+    plain = target.generate(prompts, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    hf_specdiff.enable(target)
+    calls = recorded_linears(monkeypatch)
+    ours = target.generate(prompts, attention_mask=mask, max_new_tokens=30, do_sample=False, assistant_model=speculator,
+                           speculation=method, num_draft_tokens=num_draft_tokens)
+    assert torch.equal(ours, plain)
+    assert any(weight is target.lm_head.weight and transposed for weight, transposed in calls)
+
+
+def offset_target(target):
+    """The target post-processing its logits (as soft-capping or logit scaling would): logits + a fixed offset."""
+    offset = 50.0 * torch.randn(target.config.vocab_size, generator=torch.Generator().manual_seed(3))
+
+    def add_offset(module, args, outputs):
+        outputs.logits = outputs.logits + offset
+        return outputs
+
+    target.register_forward_hook(add_offset)
+    return target
+
+
+def test_a_target_that_post_processes_its_logits_keeps_doing_so_in_the_few_row_layout(monkeypatch):
+    target = offset_target(make_target(vocab_size=VOCAB, hidden_size=HIDDEN, dtype=torch.float32))
+    speculator = make_speculator(target).to(torch.float32)
+    prompt = torch.tensor([[1, 5, 9, 13]])
+    plain = target.generate(prompt, max_new_tokens=16, do_sample=False)
+    hf_specdiff.enable(target)
+    calls = recorded_linears(monkeypatch)
+    ours = target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=speculator, speculation="dflash")
+    assert torch.equal(ours, plain)
+    assert any(weight is target.lm_head.weight and transposed for weight, transposed in calls)
+
+
+def test_negative_control_a_wrong_few_row_product_changes_the_output(monkeypatch):
+    """The equalities above see the layout's products: the same runs with its rows swapped in the target's read-out
+    verify against logits the target never produces, and the output differs."""
+    target = make_target(vocab_size=VOCAB, hidden_size=HIDDEN, dtype=torch.float32)
+    speculator = make_speculator(target).to(torch.float32)
+    prompt = torch.tensor([[1, 5, 9, 13]])
+    plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    hf_specdiff.enable(target)
+    original = _cpu_linear.linear
+
+    def rows_rolled(input, weight, bias=None):
+        out = original(input, weight, bias)
+        return out.roll(1, dims=-2) if weight is target.lm_head.weight and transposed_layout_pays(input, weight) else out
+
+    monkeypatch.setattr(_cpu_linear, "linear", rows_rolled)
+    ours = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=speculator, speculation="dflash")
+    assert not torch.equal(ours, plain)
