@@ -82,8 +82,10 @@ def test_demo_refuses_the_other_modes_flags():
 
     with pytest.raises(SystemExit, match="--model, --threshold apply to `hf-specdiff demo --diffusion` only"):
         main(["demo", "--threshold", "0.5", "--model", "x"])
-    with pytest.raises(SystemExit, match="--speculator is for the speculative demo"):
+    with pytest.raises(SystemExit, match="--speculator and --num-draft-tokens are for the speculative demo"):
         main(["demo", "--diffusion", "--speculator", "x"])
+    with pytest.raises(SystemExit, match="--speculator and --num-draft-tokens are for the speculative demo"):
+        main(["demo", "--diffusion", "--num-draft-tokens", "3"])
 
 
 def test_calibrate_reads_its_prompts_before_loading_the_model(tmp_path):
@@ -151,3 +153,18 @@ def test_example_training_configs_pass_the_command_lines_checks(name):
     command, config_class = ("train-diffusion", DiffusionTrainConfig) if "diffusion" in name else ("train", TrainConfig)
     config = _dataclass_from_args(config_class, parse_args([command, "--config", str(path)]))
     assert {key: getattr(config, key) for key in json.loads(path.read_text())} == json.loads(path.read_text())
+
+
+@pytest.mark.slow
+def test_demo_streams_the_answer_and_finds_all_three_outputs_identical(capsys):
+    """README's first command: the embedded target and the shipped speculator, 3 drafts per block on the CPU."""
+    from hf_specdiff.cli import DEMO_PROMPT, main
+
+    main(["demo", "--max-new-tokens", "24", "--device", "cpu"])
+    out = capsys.readouterr().out
+    table = out[out.index("identical to plain greedy") :].splitlines()[1:4]
+    assert [line.split()[0] for line in table] == ["plain", "dflash", "xpress"]
+    assert all(line.split()[-1] == "yes" for line in table), out
+    assert "(cpu, torch.float32, 3 drafts per block" in out
+    answer = out[out.index(DEMO_PROMPT) + len(DEMO_PROMPT) : out.index("method ")]
+    assert len(answer.split()) > 10  # the streamed answer (24 tokens), between the prompt and the table
