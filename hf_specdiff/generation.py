@@ -217,6 +217,8 @@ def speculative_decoding(
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
+    # Eager verify forwards on the CPU run their few rows through the faster BLAS layout (`_cpu_linear.py`).
+    verify_layout = contextlib.nullcontext() if compiled else few_row_linears(model)
     outputs, first = None, True
     while True:
         # 1. Draft and resolve a block per row (nothing on the first pass: the target has not run yet).
@@ -239,8 +241,7 @@ def speculative_decoding(
             fed = torch.cat([fed, fed[:, -1:].expand(-1, padding)], dim=1)
             positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, padding + 1, device=fed.device)], 1)
         logits_kwargs = {"logits_to_keep": num_drafts + 1} if "logits_to_keep" in model_kwargs and not static else {}
-        # An eager verify forward on the CPU runs its few rows through the faster BLAS layout (`_cpu_linear.py`).
-        with contextlib.nullcontext() if first or compiled else few_row_linears(model):
+        with contextlib.nullcontext() if first else verify_layout:
             outputs = (model if first else verify_forward)(  # the prefill's shape is seen once: never compiled
                 input_ids=fed, position_ids=positions, attention_mask=attention_mask, use_cache=True,
                 output_hidden_states=True, **logits_kwargs, **_compat.cache_kwargs(model, cache),
