@@ -12,7 +12,7 @@ with a static cache and the forward compiled as `generate` compiles it (the firs
 Prints the median ms per forward, its ratio to plain decoding's forward (eager width 1; for static + compiled, its own
 width 1), and so the tau that width - 1 drafts need to break even.
 For a float32 CPU target also the forward as the speculative loop runs it there, its Linear layers in the faster BLAS
-layout for a few rows (`hf_specdiff/_cpu_linear.py`).
+layout for a few rows (`hf_specdiff/_cpu_linear.py`), eager and (with `--compile`) compiled through it.
 
     python examples/verify_cost.py [--target PATH] [--device cuda] [--dtype bfloat16] [--compile]
 """
@@ -96,6 +96,15 @@ def main():
         compiled = target.get_compiled_call(_compat.compile_config_for_all_devices())
         static = lambda: prefilled(_compat.new_static_cache(target.config, args.context + max(args.widths)))
         setups["static + compiled"] = (forward_with(compiled), static)
+        if "eager, few-row layout" in setups:  # the same compiled forward called in the mode: traced through it
+
+            def compiled_few_row_layout(cache, **kwargs):
+                with few_row_linears(target):
+                    return compiled(**kwargs, **_compat.cache_kwargs(target, cache))
+
+            setups["static + compiled, few-row layout"] = (compiled_few_row_layout, static)
+        # each width is a graph of its own, and so is each width in the mode: room for all of them
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(args.widths))
 
     print(f"{args.target or 'SmolLM2-135M-Instruct (embedded)'}, {args.device}, {args.dtype}, "
           f"{args.context} cached tokens; ms per forward (x plain decoding's = tau needed to break even, drafting free)")
@@ -109,7 +118,7 @@ def main():
     width = max(map(len, setups))
     for name in setups:
         times = {w: statistics.median(seconds[name, w][2:]) for w in args.widths}  # two warm-up calls excluded
-        plain_setup = name if name == "static + compiled" else "eager"  # what plain decoding runs beside it
+        plain_setup = "static + compiled" if name.startswith("static") else "eager"  # what plain decoding runs
         base = statistics.median(seconds[plain_setup, 1][2:]) if 1 in args.widths else None
         cells = "  ".join(f"w{w} {1000 * t:6.1f}" + (f" (x{t / base:.2f})" if base else "") for w, t in times.items())
         print(f"{name:<{width}}  {cells}")

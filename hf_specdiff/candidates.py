@@ -9,7 +9,6 @@ q is the true draft distribution; the refiner only ever touches draft logits, ne
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -314,8 +313,9 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         # With a compile config (the target's decoding forward is compiled too), the draft step after the first and
         # the Jacobi refinement (when every logits processor is position-free) run through torch.compile.
         self.draft_step = compiled(draft_block, compile_config) if compile_config is not None else draft_block
-        # Eager drafter passes on the CPU run their few rows through the faster BLAS layout (`_cpu_linear.py`).
-        self.eager_layout = few_row_linears(self.drafter, self.lm_head)
+        # Drafter passes on the CPU run their few rows through the faster BLAS layout (`_cpu_linear.py`), compiled
+        # ones included (traced through it).
+        self.layout = few_row_linears(self.drafter, self.lm_head)
         self.refine_step = compiled(jacobi_refine_unrolled, compile_config) if compile_config is not None else None
 
     @torch.no_grad()
@@ -364,7 +364,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
                 positions = torch.cat([(seen[:, context_length - num_new :] - 1).clamp(min=0), seen[:, -1:] + block], 1)
                 attention_mask = torch.cat([context_mask, context_mask.new_ones(batch, self.block_size)], 1)
                 attention_mask = attention_mask.to(self.device)
-            with self.eager_layout:
+            with self.layout:
                 features = self.drafter.context_features(model_outputs.hidden_states, num_new).to(self.device)
                 hidden, drafter_logits = draft_block(self.drafter, self.embed_tokens, self.lm_head, block_ids,
                                                      features, positions, attention_mask, self.cache, self.max_drafts)
@@ -421,7 +421,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         visible = (slots < context_length) | ((slots >= block_start) & (slots < block_start + self.block_size))
         # The first call's context width is the prompt's, a shape seen once: it runs eagerly, like the target's prefill.
         step = draft_block if self.cached_context == 0 else self.draft_step
-        with self.eager_layout if step is draft_block else contextlib.nullcontext():
+        with self.layout:
             out = step(self.drafter, self.embed_tokens, self.lm_head, block_ids, features,
                        positions.expand(block_ids.shape[0], -1), visible[None, None, None, :], self.cache,
                        self.max_drafts)

@@ -217,8 +217,9 @@ def speculative_decoding(
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    # Eager verify forwards on the CPU run their few rows through the faster BLAS layout (`_cpu_linear.py`).
-    verify_layout = contextlib.nullcontext() if compiled else few_row_linears(model)
+    # Verify forwards on the CPU run their few rows through the faster BLAS layout (`_cpu_linear.py`); a compiled
+    # forward called inside the mode is traced through it (a graph of its own: dynamo guards on the mode stack).
+    verify_layout = few_row_linears(model)
     outputs, first = None, True
     while True:
         # 1. Draft and resolve a block per row (nothing on the first pass: the target has not run yet).

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 import hf_specdiff
-from hf_specdiff import _cpu_linear
+from hf_specdiff import _compat, _cpu_linear, candidates
 from hf_specdiff._cpu_linear import FewRowLinears, few_row_linears, linear, transposed_layout_pays
 
-from conftest import make_speculator, make_successor_target, make_target
+from conftest import make_speculator, make_successor_target, make_target, require_cpu_compiler
 
 VOCAB, HIDDEN = 512, 24
 
@@ -140,6 +140,17 @@ def test_a_target_that_post_processes_its_logits_keeps_doing_so_in_the_few_row_l
     assert any(weight is target.lm_head.weight and transposed for weight, transposed in calls)
 
 
+def read_out_rows_rolled(target, monkeypatch) -> None:
+    """From now on the layout gives the target's read-out with its rows swapped: logits the target never produces."""
+    original = _cpu_linear.linear
+
+    def rows_rolled(input, weight, bias=None):
+        out = original(input, weight, bias)
+        return out.roll(1, dims=-2) if weight is target.lm_head.weight and transposed_layout_pays(input, weight) else out
+
+    monkeypatch.setattr(_cpu_linear, "linear", rows_rolled)
+
+
 def test_negative_control_a_wrong_few_row_product_changes_the_output(monkeypatch):
     """The equalities above see the layout's products: the same runs with its rows swapped in the target's read-out
     verify against logits the target never produces, and the output differs."""
@@ -148,12 +159,36 @@ def test_negative_control_a_wrong_few_row_product_changes_the_output(monkeypatch
     prompt = torch.tensor([[1, 5, 9, 13]])
     plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
     hf_specdiff.enable(target)
-    original = _cpu_linear.linear
-
-    def rows_rolled(input, weight, bias=None):
-        out = original(input, weight, bias)
-        return out.roll(1, dims=-2) if weight is target.lm_head.weight and transposed_layout_pays(input, weight) else out
-
-    monkeypatch.setattr(_cpu_linear, "linear", rows_rolled)
+    read_out_rows_rolled(target, monkeypatch)
     ours = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=speculator, speculation="dflash")
     assert not torch.equal(ours, plain)
+
+
+@pytest.mark.slow
+def test_compiled_verify_forwards_are_traced_through_the_layout_and_plain_decoding_is_not(monkeypatch):
+    """torch.compile on the CPU traces the verify forward through the mode the loop calls it in, into a graph of its
+    own: plain compiled decoding of the same model, before and after, keeps the graph compiled without the mode.
+    Seen through the negative control's swapped read-out rows, which only a verify forward traced through the
+    layout reads, and which plain decoding's single rows never take."""
+    require_cpu_compiler()
+    target = hf_specdiff.enable(make_successor_target(dtype=torch.float32, vocab_size=VOCAB))
+    speculator = make_speculator(target, oracle=True).to(torch.float32)
+    prompt = torch.tensor([[1, 5, 9, 13]])
+    static = dict(cache_implementation="static", max_cache_len=64, compile_config=_compat.compile_config_for_all_devices())
+    torch._dynamo.reset()
+    candidates._compiled.cache_clear()
+    monkeypatch.delattr(target, "_compiled_call", raising=False)
+    plain = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=30, do_sample=False, **static), plain)
+    ours = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=speculator,
+                           speculation="xpress", num_draft_tokens=3, **static)
+    assert torch.equal(ours, plain)  # compiled with the layout
+    torch._dynamo.reset()  # traced again below, now with the rows swapped
+    candidates._compiled.cache_clear()
+    read_out_rows_rolled(target, monkeypatch)
+    assert torch.equal(target.generate(prompt, max_new_tokens=30, do_sample=False, **static), plain)
+    swapped = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=speculator,
+                              speculation="xpress", num_draft_tokens=3, **static)
+    assert not torch.equal(swapped, plain)
+    assert torch.equal(target.generate(prompt, max_new_tokens=30, do_sample=False, **static), plain)
+    assert torch._C._len_torch_function_stack() == 0
