@@ -15,7 +15,9 @@ prev_k is the token at slot k-1 (prev_1 = the anchor, prev_0 = the token before 
 shift, so the mixer may include its diagonal. No norms, no biases.
 
 Decoding (`jacobi_refine`): seed the block with the drafter's own picks, then K passes that each recompute every
-prev from the current block and re-pick all slots at once; stop at a fixed point (reached in at most B passes).
+prev from the current block and re-pick all slots at once; stop at a fixed point. Slot k's bias reads only the guesses
+at slots 1..k-1, so pass p settles slot p (slot 1 reads only the anchor): n drafted slots are final after n passes,
+and K is capped there, where a further pass could only confirm them.
 When sampling, one Gumbel noise draw per block is reused by the seed and every pass, so the last pass's tokens
 are exactly samples of the last pass's distribution, which is returned as q for verification.
 """
@@ -142,12 +144,13 @@ def jacobi_refine(
         pick: `pick(logits, assumed)` -> (tokens, processed logits); `assumed` are the block tokens that earlier
             slots are taken to hold (None: the picker's own picks). It applies the target's logits processors and
             the block's shared Gumbel noise, so the same noise is reused by every pass.
-        num_passes: K.
+        num_passes: K; at most n are run (see the module docstring).
     Returns:
         tokens (b, n), q (b, n, V): the processed logits the tokens were picked from, passes run.
     """
     tokens, q = pick(drafter_logits, None)  # seed: the drafter alone
     context = refiner.block_context(drafter_hidden)[:, : drafter_logits.shape[1] + 1]  # the drafted slots' prefix
+    num_passes = min(num_passes, drafter_logits.shape[1])  # pass p settles slot p: n passes settle them all
     refined, passes, settled = drafter_logits, 0, 0
     while passes < num_passes:
         passes += 1
@@ -178,7 +181,7 @@ def jacobi_refine_unrolled(
     """`jacobi_refine` with the picker spelled out, written for torch.compile: no host sync and no data-dependent
     branch. `warp` maps float32 logits (b, n, V) to processed ones (the target's processors whose output does not
     depend on earlier tokens: temperature, top-k, top-p, ...; None: none); `gumbel` (b, n, V) is the block's noise
-    when sampling, None for greedy. It always runs K passes: a fixed point stays fixed (the same block gives the same
+    when sampling, None for greedy. It always runs min(K, n) passes: a fixed point stays fixed (the same block gives the same
     logits), so the extra passes change nothing and the tokens and q are `jacobi_refine`'s. The number of passes
     `jacobi_refine` would have run is counted on the device.
 
@@ -189,6 +192,7 @@ def jacobi_refine_unrolled(
 
     tokens, q = pick(drafter_logits)
     context = refiner.block_context(drafter_hidden)[:, : drafter_logits.shape[1] + 1]
+    num_passes = min(num_passes, drafter_logits.shape[1])  # as in `jacobi_refine`
     passes = torch.full((), num_passes, device=tokens.device)
     converged = torch.zeros((), dtype=torch.bool, device=tokens.device)
     for number in range(1, num_passes + 1):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import VOCAB, make_speculator, make_successor_target, make_target, require_cpu_compiler
 
 from transformers import StaticCache
@@ -35,6 +36,16 @@ def prompts(count, seed=0):
 WARPERS = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.9)])
 
 
+def left_to_right(refiner, logits, hidden, anchors) -> torch.LongTensor:
+    """The greedy block picked slot by slot, each against the picks before it: the refinement's fixed point."""
+    context = refiner.block_context(hidden)[:, : logits.shape[1] + 1]
+    tokens = logits.argmax(dim=-1)
+    for slot in range(logits.shape[1]):
+        bias = refiner(context, torch.cat([anchors, tokens[:, :-1]], dim=1))
+        tokens[:, slot] = (logits + bias)[:, slot].argmax(dim=-1)
+    return tokens
+
+
 @pytest.mark.parametrize("do_sample,processors", [(False, None), (True, None), (True, WARPERS)])
 def test_unrolled_refinement_equals_jacobi_refine(do_sample, processors):
     """Same tokens, same q, same pass count, including blocks that reach their fixed point before K passes; with
@@ -51,6 +62,9 @@ def test_unrolled_refinement_equals_jacobi_refine(do_sample, processors):
         logits = torch.randn(2, block - 1, VOCAB, generator=generator)
         hidden = torch.randn(2, block, refiner.config.hidden_size, generator=generator).to(refiner.dtype)
         anchors = torch.randint(0, VOCAB, (2, 2), generator=generator)
+        if trial % 2:  # a drafter that already picks most of the fixed point: the refinement stops early
+            settled = F.one_hot(left_to_right(refiner, logits, hidden, anchors), VOCAB)
+            logits = logits + 20.0 * settled * (torch.rand(2, block - 1, 1, generator=generator) < 0.7)
         picker = DraftPicker(processors, do_sample)
         picker.start_block(anchors, block - 1, VOCAB)
         tokens, q, passes = jacobi_refine(refiner, logits, hidden, anchors, picker, num_passes)
@@ -59,10 +73,37 @@ def test_unrolled_refinement_equals_jacobi_refine(do_sample, processors):
         assert torch.equal(unrolled[0], tokens)
         assert torch.equal(unrolled[1], q)
         assert int(unrolled[2]) == passes
-        early += passes < num_passes
+        early += passes < min(num_passes, block - 1)  # n = B - 1 slots are settled after n passes at most
         deep += passes >= 3
     assert early, "some blocks should converge before K passes"
     assert deep, "some blocks should need three passes or more"
+
+
+def test_refinement_of_n_slots_is_their_left_to_right_decoding_after_at_most_n_passes():
+    """Pass p settles slot p, so `jacobi_refine` and the unrolled refinement run at most n passes for n drafted slots,
+    however large K, and return the block as picked slot by slot, each against the picks before it (the fixed point
+    that any number of further passes keeps). Negative control: n - 1 passes leave some blocks unsettled."""
+    target = make_successor_target()
+    refiner = make_speculator(target, oracle=True).refiner
+    block = refiner.config.block_size
+    generator = torch.Generator().manual_seed(1)
+    unsettled = 0
+    for trial in range(12):
+        n = [1, 3, block - 1][trial % 3]
+        logits = torch.randn(2, n, VOCAB, generator=generator)
+        hidden = torch.randn(2, block, refiner.config.hidden_size, generator=generator).to(refiner.dtype)
+        anchors = torch.randint(0, VOCAB, (2, 2), generator=generator)
+        expected = left_to_right(refiner, logits, hidden, anchors)
+        picker = DraftPicker(None, False)
+        picker.start_block(anchors, n, VOCAB)
+        tokens, _, passes = jacobi_refine(refiner, logits, hidden, anchors, picker, 2 * block)
+        assert torch.equal(tokens, expected) and passes <= n
+        unrolled_tokens, _, unrolled_passes = jacobi_refine_unrolled(refiner, logits, hidden, anchors, 2 * block)
+        assert torch.equal(unrolled_tokens, expected) and int(unrolled_passes) == passes
+        if n > 1:
+            fewer, _, _ = jacobi_refine(refiner, logits, hidden, anchors, picker, n - 1)
+            unsettled += not torch.equal(fewer, expected)
+    assert unsettled, "some blocks should need all n passes"
 
 
 def run(target, speculator, method, prompt, **kwargs):
