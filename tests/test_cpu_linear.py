@@ -174,7 +174,8 @@ def test_compiled_verify_forwards_are_traced_through_the_layout_and_plain_decodi
     target = hf_specdiff.enable(make_successor_target(dtype=torch.float32, vocab_size=VOCAB))
     speculator = make_speculator(target, oracle=True).to(torch.float32)
     prompt = torch.tensor([[1, 5, 9, 13]])
-    static = dict(cache_implementation="static", max_cache_len=64, compile_config=_compat.compile_config_for_all_devices())
+    static = dict(cache_implementation="static", max_cache_len=64,
+                  compile_config=_compat.compile_config_for_all_devices())
     torch._dynamo.reset()
     candidates._compiled.cache_clear()
     monkeypatch.delattr(target, "_compiled_call", raising=False)
