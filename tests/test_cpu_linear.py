@@ -164,8 +164,19 @@ def test_negative_control_a_wrong_few_row_product_changes_the_output(monkeypatch
     assert not torch.equal(ours, plain)
 
 
+@pytest.fixture
+def fresh_compiled_graphs():
+    """Every graph compiled in the test is traced afresh, and none it traced (with a patched layout) outlives it."""
+    torch._dynamo.reset()
+    candidates._compiled.cache_clear()
+    yield
+    torch._dynamo.reset()
+    candidates._compiled.cache_clear()
+
+
 @pytest.mark.slow
-def test_compiled_verify_forwards_are_traced_through_the_layout_and_plain_decoding_is_not(monkeypatch):
+def test_compiled_verify_forwards_are_traced_through_the_layout_and_plain_decoding_is_not(monkeypatch,
+                                                                                          fresh_compiled_graphs):
     """torch.compile on the CPU traces the verify forward through the mode the loop calls it in, into a graph of its
     own: plain compiled decoding of the same model, before and after, keeps the graph compiled without the mode.
     Seen through the negative control's swapped read-out rows, which only a verify forward traced through the
@@ -176,9 +187,6 @@ def test_compiled_verify_forwards_are_traced_through_the_layout_and_plain_decodi
     prompt = torch.tensor([[1, 5, 9, 13]])
     static = dict(cache_implementation="static", max_cache_len=64,
                   compile_config=_compat.compile_config_for_all_devices())
-    torch._dynamo.reset()
-    candidates._compiled.cache_clear()
-    monkeypatch.delattr(target, "_compiled_call", raising=False)
     plain = target.generate(prompt, max_new_tokens=30, do_sample=False)
     assert torch.equal(target.generate(prompt, max_new_tokens=30, do_sample=False, **static), plain)
     ours = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=speculator,
