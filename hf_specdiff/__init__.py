@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "candidates": ["BlockDiffusionCandidateGenerator", "SpeculationStats"],
     "dflash": ["DFlashConfig", "DFlashDraftModel"],
+    "draft_vocab": ["top_tokens"],
     "diffusion": ["AutoDiffusionLM", "DiffusionAdapter", "DiffusionGenerationConfig", "DiffusionLM", "DiffusionLMConfig"],
     "embedded": ["default_diffusion_lm_path", "default_speculator_path", "load_default_target"],
     "generation": ["SPECULATION_METHODS", "SpeculativeDecoderOnlyOutput", "disable", "enable", "is_enabled"],
@@ -53,6 +54,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from .candidates import BlockDiffusionCandidateGenerator, SpeculationStats
     from .dflash import DFlashConfig, DFlashDraftModel
+    from .draft_vocab import top_tokens
     from .diffusion import AutoDiffusionLM, DiffusionAdapter, DiffusionGenerationConfig, DiffusionLM, DiffusionLMConfig
     from .embedded import default_diffusion_lm_path, default_speculator_path, load_default_target
     from .generation import SPECULATION_METHODS, SpeculativeDecoderOnlyOutput, disable, enable, is_enabled
@@ -86,4 +88,5 @@ __all__ = [
     "enable",
     "is_enabled",
     "load_default_target",
+    "top_tokens",
 ]

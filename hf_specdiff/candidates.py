@@ -29,6 +29,7 @@ from transformers.generation.logits_process import (
 
 from . import _compat
 from ._cpu_linear import few_row_linears
+from .draft_vocab import DraftReadOut
 from .batching import RowBatch, append_ragged, last_tokens
 from .markov import markov_decode
 from .xpress import jacobi_refine, jacobi_refine_unrolled
@@ -289,6 +290,12 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.num_jacobi_passes = num_jacobi_passes or (self.refiner.config.num_jacobi_passes if self.refiner else 0)
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
+        # Read-outs of the drafts: the target's lm_head and the add-on's w2, or their rows for the speculator's draft
+        # vocabulary (`draft_vocab.py`), copied once per call.
+        vocab = speculator.draft_vocab
+        self.read_out = self.lm_head if vocab is None else DraftReadOut(vocab, self.lm_head.weight, float("-inf"))
+        add_on = self.refiner if method == "xpress" else self.markov_head if method == "markov" else None
+        self.add_on_read_out = None if vocab is None or add_on is None else DraftReadOut(vocab, add_on.w2.weight, 0.0)
         self.max_length = generation_config.max_length
         self.block_size = self.drafter.config.block_size
         # Drafts offered per block: the first `max_drafts` slots (all B-1 by default). Fewer narrow the verify forward,
@@ -366,7 +373,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
                 attention_mask = attention_mask.to(self.device)
             with self.layout:
                 features = self.drafter.context_features(model_outputs.hidden_states, num_new).to(self.device)
-                hidden, drafter_logits = draft_block(self.drafter, self.embed_tokens, self.lm_head, block_ids,
+                hidden, drafter_logits = draft_block(self.drafter, self.embed_tokens, self.read_out, block_ids,
                                                      features, positions, attention_mask, self.cache, self.max_drafts)
             _compat.crop_cache(self.cache, self.block_size)  # keep context K/V only
         synchronize(self.device)
@@ -385,16 +392,18 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
             if self.refine_step is not None and position_free(self.picker.processors):  # compiled: picker spelled out
                 tokens, q, passes = self.refine_step(
                     self.refiner, drafter_logits, hidden, anchors, self.num_jacobi_passes, self.picker.gumbel,
-                    self.picker.warp if self.picker.processors else None,
+                    self.picker.warp if self.picker.processors else None, self.add_on_read_out,
                 )
             else:
                 tokens, q, passes = jacobi_refine(
-                    self.refiner, drafter_logits, hidden, anchors, self.picker, self.num_jacobi_passes
+                    self.refiner, drafter_logits, hidden, anchors, self.picker, self.num_jacobi_passes,
+                    self.add_on_read_out,
                 )
             self.stats.refine_passes.append(int(passes))
         elif self.method == "markov":
             anchor = last_tokens(input_ids, sequence_lengths, 1)[:, 0]
-            tokens, q = markov_decode(self.markov_head, drafter_logits, anchor, self.picker.pick_slot)
+            tokens, q = markov_decode(self.markov_head, drafter_logits, anchor, self.picker.pick_slot,
+                                      self.add_on_read_out)
         else:
             tokens, q = self.picker(drafter_logits, None)
         synchronize(self.device)
@@ -422,7 +431,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         # The first call's context width is the prompt's, a shape seen once: it runs eagerly, like the target's prefill.
         step = draft_block if self.cached_context == 0 else self.draft_step
         with self.layout:
-            out = step(self.drafter, self.embed_tokens, self.lm_head, block_ids, features,
+            out = step(self.drafter, self.embed_tokens, self.read_out, block_ids, features,
                        positions.expand(block_ids.shape[0], -1), visible[None, None, None, :], self.cache,
                        self.max_drafts)
         _compat.crop_cache(self.cache, width - num_new + self.block_size)  # keep the real context K/V only
@@ -432,8 +441,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
 
 def draft_block(drafter, embed_tokens, lm_head, block_ids, features, positions, attention_mask, cache, num_drafts):
     """One drafter pass: its final hidden states (b, B, H) and its logits for the draft slots 1..num_drafts
-    (b, num_drafts, V), read out with the target's lm_head. The block's K/V are left in `cache` for the caller to
-    crop."""
+    (b, num_drafts, V), read out with the target's lm_head (or a `DraftReadOut` of it). The block's K/V are left in
+    `cache` for the caller to crop."""
     hidden = drafter(
         noise_embeds=embed_tokens(block_ids).to(drafter.device),
         context_hidden_states=features,

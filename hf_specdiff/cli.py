@@ -487,6 +487,48 @@ def _export_options(parser: argparse.ArgumentParser) -> None:
                         "--init-adapter: how that speculator or adapter was trained")
 
 
+def _draft_vocab_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("speculator", help="folder of a saved speculator (or bare z-lab drafter); written in place")
+    parser.add_argument("--data", nargs="+", required=True,
+                        help="JSONL files of the target's own answers (`response_ids`, as `hf-specdiff distill` writes)")
+    parser.add_argument("--size", type=int, required=True, help="how many tokens (e.g. 8192 of a 49152 vocabulary)")
+    parser.add_argument("--target", help="local folder of the target, whose EOS ids are always kept (default: the "
+                        "embedded SmolLM2-135M-Instruct's generation config)")
+
+
+def draft_vocab(args) -> None:
+    """Count the answers' tokens, keep the target's EOS ids and the `--size` most frequent, write them beside the
+    speculator's weights, and say how much of the answers they cover."""
+    import json
+    from pathlib import Path
+
+    from transformers import GenerationConfig
+
+    from .draft_vocab import top_tokens
+    from .embedded import default_target_path
+    from .speculator import saved_vocab_size, write_draft_vocab
+
+    saved_vocab_size(args.speculator)  # a folder without a speculator is refused before the data is read
+    answers = []
+    for path in args.data:
+        with Path(path).open() as rows:
+            for number, line in enumerate(rows, 1):
+                if line.strip():
+                    try:
+                        answers.append([int(t) for t in json.loads(line)["response_ids"]])
+                    except (ValueError, KeyError, TypeError) as error:
+                        raise ValueError(f"{path}:{number} is not a distill row with integer `response_ids` "
+                                         f"({error}).") from error
+    eos = GenerationConfig.from_pretrained(args.target or default_target_path()).eos_token_id
+    vocab = top_tokens(answers, args.size, always=[] if eos is None else [eos] if isinstance(eos, int) else eos)
+    write_draft_vocab(args.speculator, vocab)
+    share_like_umask(Path(args.speculator))  # safetensors writes 0600: readable by whoever publishes or uses it
+    kept = set(vocab.tolist())
+    covered = sum(token in kept for answer in answers for token in answer) / sum(map(len, answers))
+    print(f"wrote a draft vocabulary of {len(vocab)} tokens to {args.speculator}: {covered:.1%} of the "
+          f"{sum(map(len, answers)):,} answer tokens it was counted from")
+
+
 def _calibrate_options(parser: argparse.ArgumentParser) -> None:
     from .diffusion import DiffusionGenerationConfig
 
@@ -508,6 +550,7 @@ COMMANDS = {
     "demo": ("stream an answer with xPress, then compare plain / dflash / xpress", _demo_options),
     "export": ("ship a trained speculator or diffusion LM: cast, save, write its model card", _export_options),
     "calibrate": ("calibrate a Spiffy draft graph for a diffusion LM", _calibrate_options),
+    "draft-vocab": ("give a saved speculator a draft vocabulary: the tokens the target writes most", _draft_vocab_options),
 }
 
 
@@ -529,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "calibrate":
         calibrate(args)
+    elif args.command == "draft-vocab":
+        draft_vocab(args)
     elif args.command == "export":
         export(args)
     elif args.command == "distill":

@@ -56,9 +56,11 @@ class MarkovHead(PreTrainedModel):
         self.w2 = nn.Linear(config.rank, config.vocab_size, bias=False)
         self.post_init()
 
-    def forward(self, prev_tokens: torch.LongTensor) -> torch.Tensor:
-        """Logit bias given the previous token(s): (..., V)."""
-        return linear(self.w1(prev_tokens), self.w2.weight)
+    def forward(self, prev_tokens: torch.LongTensor, read_out: nn.Module | None = None) -> torch.Tensor:
+        """Logit bias given the previous token(s): (..., V). `read_out` replaces w2 by its rows for a draft
+        vocabulary (`draft_vocab.py`)."""
+        x = self.w1(prev_tokens)
+        return linear(x, self.w2.weight) if read_out is None else read_out(x)
 
 
 PickSlot = Callable[[torch.Tensor, int, torch.LongTensor], "tuple[torch.LongTensor, torch.Tensor]"]
@@ -66,14 +68,16 @@ PickSlot = Callable[[torch.Tensor, int, torch.LongTensor], "tuple[torch.LongTens
 
 @torch.no_grad()
 def markov_decode(
-    head: MarkovHead, drafter_logits: torch.Tensor, anchor: torch.LongTensor, pick_slot: PickSlot
+    head: MarkovHead, drafter_logits: torch.Tensor, anchor: torch.LongTensor, pick_slot: PickSlot,
+    read_out: nn.Module | None = None,
 ) -> tuple[torch.LongTensor, torch.Tensor]:
     """Resolve the block left to right. `pick_slot(logits (b, V), slot, earlier tokens (b, slot))` applies the
-    target's processors and the block's noise. Returns tokens (b, B-1) and the processed logits q (b, B-1, V)."""
+    target's processors and the block's noise; `read_out` is the head's read-out over a draft vocabulary (None: all
+    of w2). Returns tokens (b, B-1) and the processed logits q (b, B-1, V)."""
     tokens, q = [], []
     prev = anchor  # (b,)
     for slot in range(drafter_logits.shape[1]):
-        logits = drafter_logits[:, slot] + head(prev).to(drafter_logits.dtype)
+        logits = drafter_logits[:, slot] + head(prev, read_out).to(drafter_logits.dtype)
         prev, processed = pick_slot(logits, slot, torch.stack(tokens, dim=1) if tokens else anchor[:, None][:, :0])
         tokens.append(prev)
         q.append(processed)

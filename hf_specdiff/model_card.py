@@ -29,6 +29,9 @@ def render_model_card(template: str | Path, speculator, train_config: dict, fact
         "num_jacobi_passes": speculator.refiner.config.num_jacobi_passes if speculator.refiner else "-",
         "refiner_params": _parameters(speculator.refiner) if speculator.refiner else "-",
         "markov_params": _parameters(speculator.markov_head) if speculator.markov_head else "-",
+        "draft_vocab": "none: drafts are read out over the whole vocabulary" if speculator.draft_vocab is None else
+        f"{len(speculator.draft_vocab):,} of the {drafter.vocab_size:,} tokens, those most frequent in the target's "
+        "answers: the drafts are read out over them only (`draft_vocab.safetensors`)",
         "batch_size": train_config["batch_size"] * train_config.get("gradient_accumulation_steps", 1),
         "max_seq_len": train_config["max_seq_len"],
         "anchors_per_sequence": train_config["anchors_per_sequence"],

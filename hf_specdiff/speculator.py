@@ -6,7 +6,9 @@ Layout (a Hub model repo or a local folder):
                                        in transformers' native `speculation_type="dflash"`)
     refiner/config.json, ...           the xPress refiner (optional)
     markov_head/config.json, ...       the Markov head baseline (optional)
-    speculator.json                    {"format": "hf_specdiff.speculator", "format_version": 1, "components": [...]}
+    draft_vocab.safetensors            the draft vocabulary (optional, `draft_vocab.py`): `token_ids`, int64
+    speculator.json                    {"format": "hf_specdiff.speculator", "format_version": 1, "components": [...],
+                                        "draft_vocab": "draft_vocab.safetensors" when there is one}
 
 A folder without `speculator.json` is read as a bare z-lab drafter. Only new weights are stored: the drafter
 borrows the target's embedding and lm_head, which are never copied into the artifact.
@@ -21,23 +23,29 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ._hub import check_folder_or_repo_id
 from .dflash import DFlashConfig, DFlashDraftModel, embedding_sample, spread_layer_ids
+from .draft_vocab import check_draft_vocab
 from .markov import MarkovConfig, MarkovHead
 from .xpress import XPressConfig, XPressRefiner
 
 MANIFEST = "speculator.json"
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 FORMAT = "hf_specdiff.speculator"
 FORMAT_VERSION = 1
 _COMPONENTS = {"refiner": XPressRefiner, "markov_head": MarkovHead}
 
 
 class Speculator(nn.Module):
-    """Drafter + optional refiner + optional Markov head. Pass it as `assistant_model` to an enabled target."""
+    """Drafter + optional refiner + optional Markov head + optional draft vocabulary (token ids the drafts are read
+    out over, `draft_vocab.py`; `speculator.draft_vocab = None` drafts over the whole vocabulary again). Pass it as
+    `assistant_model` to an enabled target."""
 
-    def __init__(self, drafter: DFlashDraftModel, refiner: XPressRefiner | None = None, markov_head: MarkovHead | None = None):
+    def __init__(self, drafter: DFlashDraftModel, refiner: XPressRefiner | None = None, markov_head: MarkovHead | None = None,
+                 draft_vocab: torch.LongTensor | None = None):
         super().__init__()
         if not isinstance(drafter, DFlashDraftModel):
             raise TypeError(f"`drafter` must be a DFlashDraftModel, got {type(drafter).__name__}.")
@@ -51,9 +59,12 @@ class Speculator(nn.Module):
                 raise ValueError(f"The {name} has vocabulary {part.config.vocab_size}, the drafter {vocab}.")
         if refiner is not None and refiner.config.hidden_size != hidden:
             raise ValueError(f"The refiner reads hidden size {refiner.config.hidden_size}, the drafter has {hidden}.")
+        if draft_vocab is not None:
+            check_draft_vocab(draft_vocab, vocab)
         self.drafter = drafter
         self.refiner = refiner
         self.markov_head = markov_head
+        self.register_buffer("draft_vocab", draft_vocab, persistent=False)  # moves with .to(device); saved apart
 
     @property
     def config(self):
@@ -100,6 +111,12 @@ class Speculator(nn.Module):
             raise ValueError(
                 f"The drafter reads target layers {bad_layers}, but the target has layers 0..{text_config.num_hidden_layers - 1}."
             )
+        if self.draft_vocab is not None:  # perhaps set after loading
+            where = target.get_output_embeddings().weight.device
+            if placement and self.draft_vocab.device != where:
+                raise ValueError(f"The speculator's draft vocabulary is on {self.draft_vocab.device} and the target on "
+                                 f"{where}: move the speculator with speculator.to({str(where)!r}).")
+            check_draft_vocab(self.draft_vocab, drafter.vocab_size, "The speculator's draft vocabulary")
         if not 0 <= drafter.mask_token_id < target.get_input_embeddings().weight.shape[0]:
             raise ValueError(
                 f"The drafter's mask token id {drafter.mask_token_id} is outside the target's embedding table "
@@ -169,6 +186,8 @@ class Speculator(nn.Module):
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "hf_specdiff_version": __version__,
                     "components": components}
         (save_directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        if self.draft_vocab is not None:
+            write_draft_vocab(save_directory, self.draft_vocab)
         if push_to_hub:
             _upload(save_directory, hub.pop("repo_id", save_directory.name), **hub)
 
@@ -212,8 +231,56 @@ class Speculator(nn.Module):
         for name in (manifest or {}).get("components", []):
             where = {**hub_kwargs, "subfolder": f"{subfolder}/{name}".lstrip("/")}
             parts[name] = _load_strict(_COMPONENTS[name], path_or_repo_id, dtype, component=name, **where)
-        speculator = cls(drafter, **parts)
+        draft_vocab = None
+        if (manifest or {}).get("draft_vocab"):
+            draft_vocab = _load_draft_vocab(path_or_repo_id, manifest["draft_vocab"], drafter.config.vocab_size,
+                                            **hub_kwargs)
+        speculator = cls(drafter, **parts, draft_vocab=draft_vocab)
         return speculator.to(device) if device is not None else speculator
+
+
+def saved_vocab_size(folder: str | os.PathLike) -> int:
+    """The vocabulary size of the speculator (or bare z-lab drafter) saved in `folder`."""
+    config_path = Path(folder) / "config.json"
+    config = _read_json_object(str(config_path)) if config_path.is_file() else {}
+    if "dflash_config" not in config or "vocab_size" not in config:
+        raise ValueError(f"{folder} holds no saved speculator (no config.json with a dflash_config and a vocab_size): "
+                         "save one there first.")
+    return config["vocab_size"]
+
+
+def write_draft_vocab(folder: str | os.PathLike, token_ids: torch.LongTensor) -> None:
+    """Give the speculator (or bare z-lab drafter) saved in `folder` a draft vocabulary, or replace its own: writes
+    draft_vocab.safetensors and names it in speculator.json (written for a bare drafter), touching no weights."""
+    folder = Path(folder)
+    check_draft_vocab(token_ids, saved_vocab_size(folder))
+    manifest_path = folder / MANIFEST
+    manifest = _read_manifest(str(manifest_path)) if manifest_path.is_file() else {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "components": []}
+    save_file({"token_ids": token_ids.detach().cpu().long().contiguous()}, folder / DRAFT_VOCAB_FILE)
+    manifest_path.write_text(json.dumps({**manifest, "draft_vocab": DRAFT_VOCAB_FILE}, indent=2) + "\n")
+
+
+def _load_draft_vocab(path_or_repo_id: str, filename: str, vocab_size: int, **hub_kwargs) -> torch.LongTensor:
+    from safetensors import SafetensorError
+    from transformers.utils import cached_file
+
+    where = f"{path_or_repo_id}/{filename}"
+    path = cached_file(path_or_repo_id, filename, _raise_exceptions_for_missing_entries=False,
+                       _raise_exceptions_for_connection_errors=False, **hub_kwargs)
+    if path is None:
+        raise OSError(f"speculator.json in {path_or_repo_id} lists a draft vocabulary, but {filename} is missing. "
+                      "Download or save the speculator again.")
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ValueError(f"Could not read the draft vocabulary {where} ({error}): the file is corrupt; download or "
+                         "save the speculator again.") from error
+    if "token_ids" not in tensors:
+        raise ValueError(f"{where} has no `token_ids` tensor (found {sorted(tensors)}): the file is corrupt; download "
+                         "or save the speculator again.")
+    check_draft_vocab(tensors["token_ids"], vocab_size, f"The draft vocabulary in {where}")
+    return tensors["token_ids"].long()
 
 
 def _upload(folder: Path, repo_id: str, commit_message: str = "Upload speculator", private: bool | None = None,
@@ -246,6 +313,9 @@ def _read_manifest(path: str) -> dict:
             f"{path} has speculator format version {manifest.get('format_version')}; this hf_specdiff reads version "
             f"{FORMAT_VERSION}. Upgrade hf_specdiff."
         )
+    if not isinstance(manifest.get("draft_vocab", ""), str):
+        raise ValueError(f"{path} names its draft vocabulary file with {manifest['draft_vocab']!r}, not a file name: the "
+                         "speculator folder is corrupt; download or save it again.")
     unknown = [c for c in manifest.get("components", []) if c not in _COMPONENTS]
     if unknown:
         raise ValueError(f"{path} lists unknown components {unknown}; known: {sorted(_COMPONENTS)}.")

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .draft_vocab import top_tokens
 from .markov import markov_decode
 from .speculator import AutoSpeculator, Speculator
 from .xpress import jacobi_refine
@@ -52,6 +53,9 @@ class TrainConfig:
     refiner_rank: int | None = None  # r of the xPress refiner and of the Markov head; a fresh speculator's default: 256
     # copy this target decoder layer into each fresh draft layer (None: random); not for an init_speculator
     init_from_target_layer: int | None = -1
+    # give the speculator a draft vocabulary: the N tokens most frequent in the training answers (draft_vocab.py);
+    # None keeps init_speculator's (a fresh one drafts over the whole vocabulary)
+    draft_vocab_size: int | None = None
     max_seq_len: int = 384  # sequences are cut to this many tokens
     anchors_per_sequence: int = 16
     batch_size: int = 4
@@ -551,6 +555,7 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
         "max_seq_len": (config.max_seq_len >= 3, ">= 3 (a prompt token and two answer tokens)"),
         "gamma": (config.gamma > 0, "> 0"),
         "holdout_sequences": (config.holdout_sequences >= 1, ">= 1 (the acceptance estimate reads them)"),
+        "draft_vocab_size": (config.draft_vocab_size is None or config.draft_vocab_size >= 1, ">= 1"),
     })
     plan, accelerator = start_run(config)
     output_dir = Path(config.output_dir)
@@ -562,6 +567,11 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
     sequences = load_sequences(config.data, vocab_size, config.max_seq_len)
     holdout, sequences = split_holdout(sequences, config)
     speculator, config = build_speculator(config, target)
+    if config.draft_vocab_size is not None:
+        eos = target.generation_config.eos_token_id  # an int, a list or None: always draftable
+        always = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        answers = (row["ids"][row["answer_start"] :] for row in sequences)
+        speculator.draft_vocab = top_tokens(answers, config.draft_vocab_size, always=always)
     speculator = speculator.to(device=accelerator.device, dtype=torch.float32)
     target = target.to(accelerator.device)
     speculator.check_compatible(target, placement=False)

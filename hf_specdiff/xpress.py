@@ -108,18 +108,20 @@ class XPressRefiner(PreTrainedModel):
         g = h.mean(dim=1, keepdim=True)
         return torch.cat([self.down_h(h), self.down_g(g).expand(-1, h.shape[1], -1)], dim=-1)
 
-    def forward(self, context: torch.Tensor, prev_tokens: torch.LongTensor, skip: int = 0) -> torch.Tensor:
+    def forward(self, context: torch.Tensor, prev_tokens: torch.LongTensor, skip: int = 0,
+                read_out: nn.Module | None = None) -> torch.Tensor:
         """Logit bias for slots 1+skip..n-1: (b, n-1-skip, V). `context` (b, n, 2r): the first n slots of
         `block_context`; `prev_tokens` (b, n). n = B for a whole block; fewer slots give the same bias for those
         slots, since nothing reads a later slot (the mixer is lower triangular), so a caller drafting fewer tokens
         skips the rest. `skip` leaves out the first read-outs (the vocabulary-sized part of the cost) where the
-        caller already has them."""
+        caller already has them. `read_out` replaces w2 by its rows for a draft vocabulary (`draft_vocab.py`)."""
         n = prev_tokens.shape[1]
         x = self.in_proj(torch.cat([context, self.w1(prev_tokens)], dim=-1))  # (b, n, r)
         L = self.mix[:, :n, :n].tril()  # (r, n, n): keep j <= k
         x = x + torch.einsum("ckj,bjc->bkc", L, x)
         x = x + self.down(F.silu(self.gate(x)) * self.up(x))
-        return linear(x[:, 1 + skip :], self.w2.weight)
+        x = x[:, 1 + skip :]
+        return linear(x, self.w2.weight) if read_out is None else read_out(x)
 
 
 Picker = Callable[[torch.Tensor, "torch.LongTensor | None"], "tuple[torch.LongTensor, torch.Tensor]"]
@@ -133,6 +135,7 @@ def jacobi_refine(
     anchor_tokens: torch.LongTensor,
     pick: Picker,
     num_passes: int,
+    read_out: nn.Module | None = None,
 ) -> tuple[torch.LongTensor, torch.Tensor, int]:
     """Resolve a drafted block with K parallel refinement passes.
 
@@ -145,6 +148,7 @@ def jacobi_refine(
             slots are taken to hold (None: the picker's own picks). It applies the target's logits processors and
             the block's shared Gumbel noise, so the same noise is reused by every pass.
         num_passes: K; at most n are run (see the module docstring).
+        read_out: the refiner's read-out over a draft vocabulary (`draft_vocab.DraftReadOut`); None: all of w2.
     Returns:
         tokens (b, n), q (b, n, V): the processed logits the tokens were picked from, passes run.
     """
@@ -157,7 +161,7 @@ def jacobi_refine(
         prev = torch.cat([anchor_tokens, tokens[:, :-1]], dim=1)  # slot k sees the guess at slot k-1
         # A draft's logits depend only on the guesses before it, so those up to the first guess the last pass
         # changed come out as before: keep them and read out the rest only.
-        bias = refiner(context, prev, skip=settled).to(drafter_logits.dtype)
+        bias = refiner(context, prev, skip=settled, read_out=read_out).to(drafter_logits.dtype)
         refined = torch.cat([refined[:, :settled], drafter_logits[:, settled:] + bias], dim=1)
         new_tokens, q = pick(refined, tokens)
         changed = (new_tokens != tokens).any(dim=0).nonzero()  # slots changed in any row (one host sync)
@@ -177,11 +181,12 @@ def jacobi_refine_unrolled(
     num_passes: int,
     gumbel: torch.Tensor | None = None,
     warp: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    read_out: nn.Module | None = None,
 ) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor]:
     """`jacobi_refine` with the picker spelled out, written for torch.compile: no host sync and no data-dependent
     branch. `warp` maps float32 logits (b, n, V) to processed ones (the target's processors whose output does not
     depend on earlier tokens: temperature, top-k, top-p, ...; None: none); `gumbel` (b, n, V) is the block's noise
-    when sampling, None for greedy. It always runs min(K, n) passes: a fixed point stays fixed (the same block gives
+    when sampling, None for greedy; `read_out` as in `jacobi_refine`. It always runs min(K, n) passes: a fixed point stays fixed (the same block gives
     the same logits), so the extra passes change nothing and the tokens and q are `jacobi_refine`'s. The number of
     passes `jacobi_refine` would have run is counted on the device.
 
@@ -197,7 +202,7 @@ def jacobi_refine_unrolled(
     converged = torch.zeros((), dtype=torch.bool, device=tokens.device)
     for number in range(1, num_passes + 1):
         prev = torch.cat([anchor_tokens, tokens[:, :-1]], dim=1)
-        new_tokens, q = pick(drafter_logits + refiner(context, prev).to(drafter_logits.dtype))
+        new_tokens, q = pick(drafter_logits + refiner(context, prev, read_out=read_out).to(drafter_logits.dtype))
         same = (new_tokens == tokens).all()
         passes = torch.where(same & ~converged, number, passes)  # the pass at which `jacobi_refine` stops
         converged = converged | same

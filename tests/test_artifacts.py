@@ -140,6 +140,8 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
 
     run, output = tmp_path / "run", tmp_path / "out"
     speculator = make_speculator(make_target())
+    if continued:  # (either case would do) a draft vocabulary is exported and named on the card
+        speculator.draft_vocab = torch.tensor([7, 3, 9])
     speculator.save_pretrained(run / "speculator")
     config = TrainConfig(init_speculator="shipped/earlier" if continued else None, init_from_target_layer=-1)
     (run / "train_config.json").write_text(json.dumps(config.to_dict()))
@@ -161,8 +163,10 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
     assert "${" not in card and "7 steps of batch" in card and "dflash 1.50, xpress 1.75 (step 7)" in card
     if continued:
         assert "continued from the speculator in `shipped/earlier`: 614 steps from the target's last layer." in card
+        assert loaded.draft_vocab.tolist() == [7, 3, 9] and "| draft vocabulary | 3 of the 64 tokens" in card
     else:
         assert "Draft layer initialised from the target's layer -1." in card
+        assert loaded.draft_vocab is None and "| draft vocabulary | none" in card
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card  # the embedded target's Hub id
     assert "license: apache-2.0" in card and "Licence: apache-2.0 (the base model's)" in card  # SmolLM2's licence
     # another target: its licence is not ours to guess

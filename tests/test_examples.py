@@ -83,3 +83,21 @@ def test_generate_with_speculator_example_runs():
     out = subprocess.run([sys.executable, str(script), "What is 2+3?", "--max-new-tokens", "12"],
                          capture_output=True, text=True, check=True).stdout
     assert "identical to plain greedy: True" in out and "sampled:" in out
+
+
+@pytest.mark.slow
+def test_draft_vocab_ab_reports_coverage_and_every_variant_lossless(tmp_path):
+    """The draft vocabulary A/B on the embedded target: coverage of held-out answers, then one row per method and
+    vocabulary, each with no output that differs from plain generate's."""
+    require_bench_data()
+    answers = tmp_path / "answers.jsonl"
+    rows = [{"response_ids": [28, 253, 1142, 30, 2] * (1 + i % 3)} for i in range(6)]
+    answers.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    script = NOTEBOOK.parent / "draft_vocab_ab.py"
+    out = subprocess.run([sys.executable, str(script), "--data", str(answers), "--holdout", "2", "--sizes", "3", "64",
+                          "--datasets", "gsm8k", "--limit", "1", "--max-new-tokens", "8", "--num-draft-tokens", "3",
+                          "--methods", "xpress"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "answers.jsonl: N=3 0.6000  N=64 1.0000" in out  # 5 tokens, as frequent: the 3 lowest ids, then all
+    table = [line.split() for line in out.splitlines() if line.startswith("xpress ")]
+    assert [row[1] for row in table] == ["full", "N=3", "N=64"] and all(row[-1] == "0" for row in table)

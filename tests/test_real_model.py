@@ -101,6 +101,8 @@ def test_shipped_speculator_loads_and_is_lossless(smollm):
     target, tokenizer, _ = smollm
     shipped = AutoSpeculator.from_pretrained(hf_specdiff.default_speculator_path()).to(target.dtype)
     assert shipped.refiner is not None and shipped.markov_head is not None
+    # its draft vocabulary: the target's most frequent answer tokens, EOS first
+    assert len(shipped.draft_vocab) == 8192 and shipped.draft_vocab[0] == target.generation_config.eos_token_id
     shipped.check_compatible(target, "xpress")
     inputs = chat(tokenizer, questions(1)[0])
     kwargs = dict(do_sample=False, max_new_tokens=32, return_dict_in_generate=True, output_scores=True)

@@ -302,3 +302,24 @@ def test_the_model_card_describes_the_saved_weights_not_the_log_past_them(tmp_pa
     monkeypatch.chdir(elsewhere)
     main(["export", "--run", str(tmp_path / "run"), "--output", str(tmp_path / "out")])
     assert "20 steps of batch" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_draft_vocab_size_gives_the_artifact_the_answers_most_frequent_tokens(tmp_path, target):
+    data = write_distill(tmp_path / "distill.jsonl", target, rows=12)
+    speculator = train(tiny_config(tmp_path, data, max_steps=2, save_every=2, draft_vocab_size=6), target=target,
+                       progress=False)
+    answers = [json.loads(line)["response_ids"] for line in data.open()]
+    counts = {t: sum(a.count(t) for a in answers) for t in {t for a in answers for t in a}}
+    vocab = speculator.draft_vocab.tolist()
+    assert len(vocab) == 6 == len(set(vocab))
+    # the held-out rows are not counted, so compare against the counts loosely: common tokens first
+    assert min(counts[t] for t in vocab) >= sorted(counts.values(), reverse=True)[len(counts) // 2]
+    loaded = AutoSpeculator.from_pretrained(tmp_path / "run" / "speculator")
+    assert loaded.draft_vocab.tolist() == vocab
+    # a run continuing it keeps its vocabulary
+    continued = train(tiny_config(tmp_path, data, output_dir=str(tmp_path / "run2"), max_steps=1, save_every=1,
+                                  init_speculator=str(tmp_path / "run" / "speculator"), block_size=None,
+                                  num_draft_layers=None, refiner_rank=None), target=target, progress=False)
+    assert continued.draft_vocab.tolist() == vocab
+    with pytest.raises(ValueError, match="draft_vocab_size=0"):
+        train(tiny_config(tmp_path, data, draft_vocab_size=0), target=target, progress=False)
