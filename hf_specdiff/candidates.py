@@ -29,8 +29,8 @@ from transformers.generation.logits_process import (
 
 from . import _compat
 from ._cpu_linear import few_row_linears
-from .draft_vocab import DraftReadOut
 from .batching import RowBatch, append_ragged, last_tokens
+from .draft_vocab import DraftReadOut
 from .markov import markov_decode
 from .xpress import jacobi_refine, jacobi_refine_unrolled
 

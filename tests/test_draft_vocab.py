@@ -89,6 +89,22 @@ def test_greedy_equals_plain_and_drafts_stay_in_the_vocabulary(method, cache, dr
         assert mean["restricted"] < mean["full"] - 0.5, mean
 
 
+@pytest.mark.parametrize("method", ["xpress", "markov"])
+def test_the_add_ons_read_out_only_the_vocabularys_rows(method, drafts_seen):
+    """The rows of the add-on's read-out outside the vocabulary are never multiplied (that is the saving): made NaN,
+    they change nothing."""
+    target = hf_specdiff.enable(make_successor_target())
+    speculator = with_vocab(make_speculator(target, oracle=True), EVERY_THIRD_LEFT_OUT)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[EVERY_THIRD_LEFT_OUT] = False
+    for add_on in (speculator.refiner, speculator.markov_head):
+        with torch.no_grad():
+            add_on.w2.weight[outside] = float("nan")
+    for i, prompt in prompts(count=6, seed=3):
+        assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=10 + 5 * i)
+    assert drafts_seen <= set(EVERY_THIRD_LEFT_OUT.tolist())
+
+
 def test_a_whole_vocabulary_drafts_exactly_what_none_does():
     target = hf_specdiff.enable(make_successor_target())
     full = make_speculator(target, oracle=True)
