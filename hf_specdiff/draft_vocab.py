@@ -3,14 +3,14 @@
 Every draft is a vocabulary-sized read-out: the drafter's hidden state times the target's lm_head (V x H) for each
 drafted slot, and the refiner's bias times its w2 (V x r) for each slot on every Jacobi pass. For a small target that
 read-out is most of the speculator's work: SmolLM2-135M's lm_head is 49152 x 576, more weight than the one-layer
-drafter that feeds it, and on the CPU it was about half of the draft step. Yet a target's answers use few of its
+drafter that feeds it, and on the CPU it was more than half of the draft step. Yet a target's answers use few of its
 tokens: counted in the embedded target's own answers to 8,100 prompts (`shared/data/distill`), its 8,192 most
 frequent tokens hold 97.7% of the tokens of 450 other GSM8K answers and 91.9% of 450 other ShareGPT ones, and the
 16,384 most frequent 99.1% and 96.7% (`python examples/draft_vocab_ab.py --data ...`).
 
 So a speculator may carry a draft vocabulary (FR-Spec, Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary
 Language Models via Frequency-Ranked Speculative Sampling"): token ids, most frequent first in the data it was
-built from. The drafter's and the refiner's read-outs then multiply only those rows, and every other token gets
+built from. The drafter's read-out and the add-on's (refiner or Markov head) then multiply only those rows, and every other token gets
 logit -inf: it is never drafted. Verification still reads the target's full vocabulary, so nothing about the
 output changes: greedy output is the target's own, and sampled output follows the target's distribution, since
 q (zero outside the set) is still exactly the distribution each draft was sampled from. A token outside the set
