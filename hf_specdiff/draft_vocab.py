@@ -10,9 +10,9 @@ frequent tokens hold 97.7% of the tokens of 450 other GSM8K answers and 91.9% of
 
 So a speculator may carry a draft vocabulary (FR-Spec, Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary
 Language Models via Frequency-Ranked Speculative Sampling"): token ids, most frequent first in the data it was
-built from. The drafter's read-out and the add-on's (refiner or Markov head) then multiply only those rows, and every other token gets
-logit -inf: it is never drafted. Verification still reads the target's full vocabulary, so nothing about the
-output changes: greedy output is the target's own, and sampled output follows the target's distribution, since
+built from. The drafter's read-out and the add-on's (refiner or Markov head) then multiply only those rows, and
+every other token gets logit -inf: it is never drafted. Verification still reads the target's full vocabulary, so
+nothing about the output changes: greedy output is the target's own, and sampled output follows the target's distribution, since
 q (zero outside the set) is still exactly the distribution each draft was sampled from. A token outside the set
 ends the accepted run where the target writes it, which is the price: a lower tau where the target writes rare
 tokens, measured against the cheaper step before a speculator ships with one.
