@@ -12,10 +12,10 @@ So a speculator may carry a draft vocabulary (FR-Spec, Zhao et al. 2025, "FR-Spe
 Language Models via Frequency-Ranked Speculative Sampling"): token ids, most frequent first in the data it was
 built from. The drafter's read-out and the add-on's (refiner or Markov head) then multiply only those rows, and
 every other token gets logit -inf: it is never drafted. Verification still reads the target's full vocabulary, so
-nothing about the output changes: greedy output is the target's own, and sampled output follows the target's distribution, since
-q (zero outside the set) is still exactly the distribution each draft was sampled from. A token outside the set
-ends the accepted run where the target writes it, which is the price: a lower tau where the target writes rare
-tokens, measured against the cheaper step before a speculator ships with one.
+nothing about the output changes: greedy output is the target's own, and sampled output follows the target's
+distribution, since q (zero outside the set) is still exactly the distribution each draft was sampled from. A token
+outside the set ends the accepted run where the target writes it, which is the price: a lower tau where the target
+writes rare tokens, measured against the cheaper step before a speculator ships with one.
 
 Measured with the shipped speculator on a 2-core CPU (3 drafts per block, static and compiled, 12 GSM8K, HumanEval
 and MT-Bench prompts, `model_cards/results/smollm2-135m-cpu/draft_vocab/`): with the 8,192-token vocabulary it ships
