@@ -1,4 +1,4 @@
-"""What a draft vocabulary buys and costs: the same speculator drafting over N tokens and over all of them, side by side.
+"""What a draft vocabulary buys and costs: one speculator drafting over N tokens and over all of them, side by side.
 
 A draft vocabulary (`hf_specdiff/draft_vocab.py`) makes the drafter's and the add-on's read-outs cheaper and makes
 the tokens outside it undraftable. This script measures both sides for vocabularies of several sizes, built from the
@@ -104,8 +104,9 @@ def main():
         for method in args.methods:
             for name, speculator in speculators.items():
                 start = time.perf_counter()
-                out = target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, assistant_model=speculator,
-                                      speculation=method, return_dict_in_generate=True, **extra)
+                out = target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
+                                      assistant_model=speculator, speculation=method, return_dict_in_generate=True,
+                                      **extra)
                 seconds = time.perf_counter() - start
                 if number == 0:
                     continue

@@ -490,7 +490,8 @@ def _export_options(parser: argparse.ArgumentParser) -> None:
 def _draft_vocab_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("speculator", help="folder of a saved speculator (or bare z-lab drafter); written in place")
     parser.add_argument("--data", nargs="+", required=True,
-                        help="JSONL files of the target's own answers (`response_ids`, as `hf-specdiff distill` writes)")
+                        help="JSONL files of the target's own answers (`response_ids`, as `hf-specdiff distill` "
+                        "writes)")
     parser.add_argument("--size", type=int, required=True, help="how many tokens (e.g. 8192 of a 49152 vocabulary)")
     parser.add_argument("--target", help="local folder of the target, whose EOS ids are always kept (default: the "
                         "embedded SmolLM2-135M-Instruct's generation config)")
@@ -550,7 +551,8 @@ COMMANDS = {
     "demo": ("stream an answer with xPress, then compare plain / dflash / xpress", _demo_options),
     "export": ("ship a trained speculator or diffusion LM: cast, save, write its model card", _export_options),
     "calibrate": ("calibrate a Spiffy draft graph for a diffusion LM", _calibrate_options),
-    "draft-vocab": ("give a saved speculator a draft vocabulary: the tokens the target writes most", _draft_vocab_options),
+    "draft-vocab": ("give a saved speculator a draft vocabulary: the tokens the target writes most",
+                    _draft_vocab_options),
 }
 
 

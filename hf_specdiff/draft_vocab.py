@@ -47,8 +47,9 @@ def check_draft_vocab(token_ids: torch.Tensor, vocab_size: int, where: str = "Th
         raise ValueError(f"{where} must be a non-empty 1-D tensor of token ids, got shape {tuple(token_ids.shape)}.")
     low, high = int(token_ids.min()), int(token_ids.max())
     if low < 0 or high >= vocab_size:
-        raise ValueError(f"{where} holds token ids from {low} to {high}, outside the vocabulary of {vocab_size} tokens: "
-                         "it was built for another tokenizer. Build it again from this target's data (top_tokens).")
+        raise ValueError(f"{where} holds token ids from {low} to {high}, outside the vocabulary of {vocab_size} "
+                         "tokens: it was built for another tokenizer. Build it again from this target's data "
+                         "(top_tokens).")
     if token_ids.unique().numel() != token_ids.numel():
         raise ValueError(f"{where} lists some token ids more than once: build it again (top_tokens) or deduplicate it.")
 
@@ -60,7 +61,8 @@ def top_tokens(sequences: Iterable[Iterable[int]], size: int, always: Iterable[i
         raise ValueError(f"A draft vocabulary needs at least one token, got size={size}.")
     counts = Counter(token for sequence in sequences for token in sequence)
     if not counts:
-        raise ValueError("No tokens to count: the draft vocabulary is built from the target's answers, and there are none.")
+        raise ValueError("No tokens to count: the draft vocabulary is built from the target's answers, and there are "
+                         "none.")
     first = list(dict.fromkeys(int(t) for t in always))
     ranked = [t for t, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])) if t not in set(first)]
     return torch.tensor((first + ranked)[:size], dtype=torch.long)

@@ -44,8 +44,8 @@ class Speculator(nn.Module):
     out over, `draft_vocab.py`; `speculator.draft_vocab = None` drafts over the whole vocabulary again). Pass it as
     `assistant_model` to an enabled target."""
 
-    def __init__(self, drafter: DFlashDraftModel, refiner: XPressRefiner | None = None, markov_head: MarkovHead | None = None,
-                 draft_vocab: torch.LongTensor | None = None):
+    def __init__(self, drafter: DFlashDraftModel, refiner: XPressRefiner | None = None,
+                 markov_head: MarkovHead | None = None, draft_vocab: torch.LongTensor | None = None):
         super().__init__()
         if not isinstance(drafter, DFlashDraftModel):
             raise TypeError(f"`drafter` must be a DFlashDraftModel, got {type(drafter).__name__}.")
@@ -314,8 +314,8 @@ def _read_manifest(path: str) -> dict:
             f"{FORMAT_VERSION}. Upgrade hf_specdiff."
         )
     if not isinstance(manifest.get("draft_vocab", ""), str):
-        raise ValueError(f"{path} names its draft vocabulary file with {manifest['draft_vocab']!r}, not a file name: the "
-                         "speculator folder is corrupt; download or save it again.")
+        raise ValueError(f"{path} names its draft vocabulary file with {manifest['draft_vocab']!r}, not a file name: "
+                         "the speculator folder is corrupt; download or save it again.")
     unknown = [c for c in manifest.get("components", []) if c not in _COMPONENTS]
     if unknown:
         raise ValueError(f"{path} lists unknown components {unknown}; known: {sorted(_COMPONENTS)}.")

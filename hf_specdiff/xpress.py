@@ -186,9 +186,9 @@ def jacobi_refine_unrolled(
     """`jacobi_refine` with the picker spelled out, written for torch.compile: no host sync and no data-dependent
     branch. `warp` maps float32 logits (b, n, V) to processed ones (the target's processors whose output does not
     depend on earlier tokens: temperature, top-k, top-p, ...; None: none); `gumbel` (b, n, V) is the block's noise
-    when sampling, None for greedy; `read_out` as in `jacobi_refine`. It always runs min(K, n) passes: a fixed point stays fixed (the same block gives
-    the same logits), so the extra passes change nothing and the tokens and q are `jacobi_refine`'s. The number of
-    passes `jacobi_refine` would have run is counted on the device.
+    when sampling, None for greedy; `read_out` as in `jacobi_refine`. It always runs min(K, n) passes: a fixed point
+    stays fixed (the same block gives the same logits), so the extra passes change nothing and the tokens and q are
+    `jacobi_refine`'s. The number of passes `jacobi_refine` would have run is counted on the device.
 
     Returns tokens (b, n), q (b, n, V) float32, passes (0-d tensor)."""
     def pick(logits):

@@ -257,7 +257,8 @@ def test_cli_writes_a_vocabulary_into_a_saved_speculator(tmp_path, capsys):
     target.save_pretrained(tmp_path / "target")
     make_speculator(target).save_pretrained(tmp_path / "speculator")
     data = tmp_path / "answers.jsonl"
-    data.write_text("".join(json.dumps({"response_ids": answer}) + "\n" for answer in ([9, 9, 4, 2], [4, 9, 7, 2], [30])))
+    answers = ([9, 9, 4, 2], [4, 9, 7, 2], [30])
+    data.write_text("".join(json.dumps({"response_ids": answer}) + "\n" for answer in answers))
     main(["draft-vocab", str(tmp_path / "speculator"), "--data", str(data), "--size", "3",
           "--target", str(tmp_path / "target")])
     assert "3 tokens" in capsys.readouterr().out
