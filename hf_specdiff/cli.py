@@ -521,7 +521,7 @@ def draft_vocab(args) -> None:
                         raise ValueError(f"{path}:{number} is not a distill row with integer `response_ids` "
                                          f"({error}).") from error
     eos = GenerationConfig.from_pretrained(args.target or default_target_path()).eos_token_id
-    vocab = top_tokens(answers, args.size, always=[] if eos is None else [eos] if isinstance(eos, int) else eos)
+    vocab = top_tokens(answers, args.size, always=eos)
     write_draft_vocab(args.speculator, vocab)
     share_like_umask(Path(args.speculator))  # safetensors writes 0600: readable by whoever publishes or uses it
     kept = set(vocab.tolist())

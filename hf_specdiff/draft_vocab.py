@@ -54,17 +54,21 @@ def check_draft_vocab(token_ids: torch.Tensor, vocab_size: int, where: str = "Th
         raise ValueError(f"{where} lists some token ids more than once: build it again (top_tokens) or deduplicate it.")
 
 
-def top_tokens(sequences: Iterable[Iterable[int]], size: int, always: Iterable[int] = ()) -> torch.LongTensor:
+def top_tokens(sequences: Iterable[Iterable[int]], size: int, always: int | Iterable[int] | None = None
+               ) -> torch.LongTensor:
     """The `size` token ids most frequent in `sequences` (the target's own answers), most frequent first, ties by id;
-    `always` (e.g. the EOS ids) come first whatever their count. Fewer when the data holds fewer distinct tokens."""
+    `always` come first whatever their count: an id, ids or None, as a generation config's `eos_token_id` gives the
+    EOS ids. Fewer when the data holds fewer distinct tokens."""
     if size < 1:
         raise ValueError(f"A draft vocabulary needs at least one token, got size={size}.")
     counts = Counter(token for sequence in sequences for token in sequence)
     if not counts:
         raise ValueError("No tokens to count: the draft vocabulary is built from the target's answers, and there are "
                          "none.")
+    always = [] if always is None else [always] if isinstance(always, int) else always
     first = list(dict.fromkeys(int(t) for t in always))
-    ranked = [t for t, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])) if t not in set(first)]
+    kept = set(first)
+    ranked = [t for t, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])) if t not in kept]
     return torch.tensor((first + ranked)[:size], dtype=torch.long)
 
 
@@ -77,7 +81,8 @@ class DraftReadOut(nn.Module):
     def __init__(self, token_ids: torch.LongTensor, weight: torch.Tensor, fill: float):
         super().__init__()
         check_draft_vocab(token_ids, weight.shape[0])
-        self.register_buffer("token_ids", token_ids.to(weight.device), persistent=False)
+        # int64: index_copy_ takes no other index type, and check_draft_vocab lets int32 ids through
+        self.register_buffer("token_ids", token_ids.to(weight.device, torch.long), persistent=False)
         self.register_buffer("weight", weight.detach()[self.token_ids].contiguous(), persistent=False)
         self.vocab_size = weight.shape[0]
         self.fill = fill

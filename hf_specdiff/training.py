@@ -568,10 +568,9 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
     holdout, sequences = split_holdout(sequences, config)
     speculator, config = build_speculator(config, target)
     if config.draft_vocab_size is not None:
-        eos = target.generation_config.eos_token_id  # an int, a list or None: always draftable
-        always = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         answers = (row["ids"][row["answer_start"] :] for row in sequences)
-        speculator.draft_vocab = top_tokens(answers, config.draft_vocab_size, always=always)
+        speculator.draft_vocab = top_tokens(answers, config.draft_vocab_size,
+                                            always=target.generation_config.eos_token_id)  # EOS always draftable
     speculator = speculator.to(device=accelerator.device, dtype=torch.float32)
     target = target.to(accelerator.device)
     speculator.check_compatible(target, placement=False)

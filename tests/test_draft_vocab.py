@@ -115,6 +115,16 @@ def test_a_whole_vocabulary_drafts_exactly_what_none_does():
         assert a.accepted_lengths == b.accepted_lengths and a.refine_passes == b.refine_passes
 
 
+def test_int32_ids_draft_as_int64_ones_do():
+    target = hf_specdiff.enable(make_successor_target())
+    full = make_speculator(target, oracle=True)
+    for _, prompt in prompts(count=3, seed=6):
+        a = assert_same_as_plain(target, with_vocab(full, EVERY_THIRD_LEFT_OUT), "xpress", prompt, max_new_tokens=20)
+        b = assert_same_as_plain(target, with_vocab(full, EVERY_THIRD_LEFT_OUT.int()), "xpress", prompt,
+                                 max_new_tokens=20)
+        assert a.accepted_lengths == b.accepted_lengths
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_batched_rows_equal_row_by_row(method, drafts_seen):
     target = hf_specdiff.enable(make_successor_target())
@@ -191,6 +201,8 @@ def test_top_tokens_ranks_by_count_then_id_and_puts_the_given_ones_first():
     assert top_tokens(answers, 10).tolist() == [3, 7, 5, 9, 2]
     assert top_tokens(answers, 3).tolist() == [3, 7, 5]
     assert top_tokens(answers, 3, always=[11, 9]).tolist() == [11, 9, 3]
+    assert top_tokens(answers, 2, always=11).tolist() == [11, 3]  # a generation config's single eos_token_id
+    assert top_tokens(answers, 2, always=None).tolist() == [3, 7]
     with pytest.raises(ValueError, match="at least one token"):
         top_tokens(answers, 0)
     with pytest.raises(ValueError, match="no tokens|there are none"):
