@@ -30,7 +30,7 @@ from transformers.generation.logits_process import (
 from . import _compat
 from ._cpu_linear import few_row_linears
 from .batching import RowBatch, append_ragged, last_tokens
-from .draft_vocab import DraftReadOut
+from .draft_vocab import draft_read_outs
 from .markov import markov_decode
 from .xpress import jacobi_refine, jacobi_refine_unrolled
 
@@ -292,10 +292,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.lm_head = target.get_output_embeddings()
         # Read-outs of the drafts: the target's lm_head and the add-on's w2, or their rows for the speculator's draft
         # vocabulary (`draft_vocab.py`), copied once per call.
-        vocab = speculator.draft_vocab
-        self.read_out = self.lm_head if vocab is None else DraftReadOut(vocab, self.lm_head.weight, float("-inf"))
         add_on = self.refiner if method == "xpress" else self.markov_head if method == "markov" else None
-        self.add_on_read_out = None if vocab is None or add_on is None else DraftReadOut(vocab, add_on.w2.weight, 0.0)
+        self.read_out, self.add_on_read_out = draft_read_outs(speculator.draft_vocab, self.lm_head, add_on)
         self.max_length = generation_config.max_length
         self.block_size = self.drafter.config.block_size
         # Drafts offered per block: the first `max_drafts` slots (all B-1 by default). Fewer narrow the verify forward,

@@ -91,3 +91,27 @@ class DraftReadOut(nn.Module):
         rows = linear(x.to(self.weight.dtype), self.weight)  # (..., N)
         out = rows.new_full((*rows.shape[:-1], self.vocab_size), self.fill)
         return out.index_copy_(-1, self.token_ids, rows)
+
+
+def draft_read_outs(token_ids: torch.LongTensor | None, lm_head: nn.Module, *add_ons: nn.Module | None) -> tuple:
+    """The read-outs `generate` drafts with: the drafter's (the target's lm_head, or its rows for the vocabulary
+    `token_ids`, -inf elsewhere) and one per add-on (refiner or Markov head; None reads all of its w2, as does an
+    add-on without a vocabulary; else its rows, 0 elsewhere). The rows are copied once, here."""
+    if token_ids is None:
+        return (lm_head, *(None for _ in add_ons))
+    return (DraftReadOut(token_ids, lm_head.weight, float("-inf")),
+            *(None if add_on is None else DraftReadOut(token_ids, add_on.w2.weight, 0.0) for add_on in add_ons))
+
+
+class VocabRows(nn.Module):
+    """`x @ layer.weight[token_ids].T`: scores over the draft vocabulary only, in its order ((..., N), no fill),
+    reading the layer's live weight at every call so that a gradient reaches it. Training's counterpart of
+    `DraftReadOut`: the losses are computed over the tokens a speculator can draft (`training.py`)."""
+
+    def __init__(self, layer: nn.Module, token_ids: torch.LongTensor):
+        super().__init__()
+        object.__setattr__(self, "layer", layer)  # not a submodule: its weight belongs to the model that owns it
+        self.token_ids = token_ids.to(layer.weight.device, torch.long)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.layer.weight[self.token_ids])

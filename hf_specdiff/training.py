@@ -11,6 +11,11 @@ One step, on a batch of (prompt + the target's own answer) sequences:
        consistency pass with prev = the refiner's own picks (what Jacobi iterates on at inference)
     5. Markov head: the same cross-entropy + total variation, on detached drafter logits (same drafter, fair baseline)
 
+A speculator with a draft vocabulary (`draft_vocab.py`) is trained over it: drafts are read out over those tokens
+only, so the logits, their softmax q and the losses are computed over them only (total variation adds p's mass
+outside, which no draft can cover). That is the q inference samples from, and on a CPU it is most of a step's time:
+with 8,192 of SmolLM2's 49,152 tokens a step took N s instead of M s.
+
 Target embedding and lm_head are frozen (they are the target's). Built on `accelerate`: mixed precision, gradient
 accumulation and several GPUs need no code change; checkpoints resume.
 """
@@ -30,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .draft_vocab import top_tokens
+from .draft_vocab import VocabRows, draft_read_outs, top_tokens
 from .markov import markov_decode
 from .speculator import AutoSpeculator, Speculator
 from .xpress import jacobi_refine
@@ -54,7 +59,8 @@ class TrainConfig:
     # copy this target decoder layer into each fresh draft layer (None: random); not for an init_speculator
     init_from_target_layer: int | None = -1
     # give the speculator a draft vocabulary: the N tokens most frequent in the training answers (draft_vocab.py);
-    # None keeps init_speculator's (a fresh one drafts over the whole vocabulary)
+    # None keeps init_speculator's (a fresh one drafts over the whole vocabulary). With one, the losses are computed
+    # over the tokens it can draft (see `SpeculatorTrainer.losses`)
     draft_vocab_size: int | None = None
     max_seq_len: int = 384  # sequences are cut to this many tokens
     anchors_per_sequence: int = 16
@@ -190,6 +196,12 @@ def block_windows(ids, mask, anchors, block_size: int):
 # --------------------------------------------------------------------------------------------------------------
 
 
+def vocab_index(token_ids: torch.LongTensor, vocab_size: int) -> torch.LongTensor:
+    """(vocab_size,) the index of each token in the draft vocabulary `token_ids`, -100 (ignored) for the others."""
+    index = torch.full((vocab_size,), -100, dtype=torch.long, device=token_ids.device)
+    return index.index_copy_(0, token_ids.long(), torch.arange(len(token_ids), device=token_ids.device))
+
+
 def position_weights(block_size: int, gamma: float, device) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size - 1, device=device, dtype=torch.float32) / gamma)
 
@@ -202,8 +214,11 @@ def weighted_ce(logits, labels, weights):
 
 
 def weighted_tv(logits, target_probs, labels, weights):
-    """Total variation 0.5 * sum |q - p| per slot; the quantity speculative sampling's acceptance depends on."""
-    tv = 0.5 * (logits.float().softmax(-1) - target_probs).abs().sum(-1)  # (N, B-1)
+    """Total variation 0.5 * sum |q - p| per slot; the quantity speculative sampling's acceptance depends on.
+    Over a draft vocabulary, logits and p are its columns only: q is 0 outside, where |q - p| sums to p's mass
+    there, 1 - sum(p) (about 0 over the whole vocabulary)."""
+    p_outside = (1 - target_probs.sum(-1)).clamp(min=0)
+    tv = 0.5 * ((logits.float().softmax(-1) - target_probs).abs().sum(-1) + p_outside)  # (N, B-1)
     w = weights[None].expand_as(labels) * (labels != -100)
     return (tv * w).sum() / w.sum().clamp(min=1e-6)
 
@@ -228,15 +243,23 @@ class SpeculatorTrainer(nn.Module):
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
 
+    @torch.no_grad()
     def target_pass(self, ids, mask):
-        """Context features (b, T, F) and the target's next-token distribution p (b, T, V)."""
-        with torch.no_grad():
-            out = self.target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-            features = self.speculator.drafter.context_features(out.hidden_states)
-            return features, out.logits.float().softmax(-1)
+        """Context features (b, T, F) and the target's logits (b, T, V)."""
+        out = self.target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        return self.speculator.drafter.context_features(out.hidden_states), out.logits
 
-    def draft_blocks(self, ids, mask, features, anchors):
-        """All blocks of a row in one drafter pass. Returns hidden (b, nA, B, H) and drafter logits (b, nA, B-1, V)."""
+    @torch.no_grad()
+    def target_probs(self, target_logits, positions, vocab):
+        """The target's next-token distribution p at `positions` (b, n) -> (b, n, V), or at the draft vocabulary's
+        columns only (b, n, N) when `vocab` is given (normalised over all V: the mass outside is 1 - their sum)."""
+        V = target_logits.shape[-1]
+        p = target_logits.gather(1, positions[..., None].expand(-1, -1, V)).float().softmax(-1)
+        return p if vocab is None else p[..., vocab]
+
+    def draft_blocks(self, ids, mask, features, anchors, read_out):
+        """All blocks of a row in one drafter pass. Returns hidden (b, nA, B, H) and drafter logits (b, nA, B-1, V)
+        read out by `read_out` (the lm_head, or its rows for a draft vocabulary: (..., N))."""
         drafter, B = self.speculator.drafter, self.config.block_size
         b, T = ids.shape
         nA = anchors.shape[1]
@@ -257,22 +280,26 @@ class SpeculatorTrainer(nn.Module):
             position_ids=positions,
             attention_mask=attend[:, None],
         ).last_hidden_state.view(b, nA, B, -1)
-        return hidden, self.lm_head(hidden[:, :, 1:])
+        return hidden, read_out(hidden[:, :, 1:].contiguous())  # contiguous: a matmul, not a batched one per block
 
     def losses(self, ids, mask, answer_starts, generator) -> dict[str, torch.Tensor]:
         c, B = self.config, self.config.block_size
-        features, target_probs = self.target_pass(ids, mask)
+        # With a draft vocabulary every logit below is over its N tokens only, in its order (`VocabRows`).
+        vocab = self.speculator.draft_vocab
+        read_out = self.lm_head if vocab is None else VocabRows(self.lm_head, vocab)
+        features, target_logits = self.target_pass(ids, mask)
         anchors = sample_anchors(mask.sum(1), answer_starts, c.anchors_per_sequence, generator).to(ids.device)
-        hidden, drafter_logits = self.draft_blocks(ids, mask, features, anchors)
+        hidden, drafter_logits = self.draft_blocks(ids, mask, features, anchors, read_out)
         b, nA = anchors.shape
-        V = drafter_logits.shape[-1]
 
         # Labels x_{a+k}, k = 1..B-1 (-100 past the end), the target's p at a+k-1, and prev tokens x_{a-1..a+B-2}.
         where, inside, tokens = block_windows(ids, mask, anchors, B)
         labels = tokens[..., 2:].masked_fill(~inside[..., 2:], -100).flatten(0, 1)  # (N, B-1)
         prev_true = tokens[..., :B].masked_fill(~inside[..., :B], 0).flatten(0, 1)  # (N, B)
         p_index = where[..., 1:B].clamp(0, ids.shape[1] - 1).flatten(1)  # positions a..a+B-2
-        p = target_probs.gather(1, p_index[..., None].expand(-1, -1, V)).view(b * nA, B - 1, V)
+        p = self.target_probs(target_logits, p_index, vocab).view(b * nA, B - 1, -1)
+        if vocab is not None:  # labels as indices into the vocabulary; a token outside it cannot be drafted: ignored
+            labels = vocab_index(vocab, self.lm_head.weight.shape[0])[labels.clamp(min=0)].masked_fill(labels < 0, -100)
         weights = position_weights(B, c.gamma, ids.device)
         drafter_logits = drafter_logits.flatten(0, 1)
         hidden = hidden.flatten(0, 1)
@@ -282,19 +309,22 @@ class SpeculatorTrainer(nn.Module):
         refiner = self.speculator.refiner
         if refiner is not None:
             context = refiner.block_context(hidden)
-            refined = drafter_logits + refiner(context, prev_true)
+            add_on_read_out = None if vocab is None else VocabRows(refiner.w2, vocab)
+            refined = drafter_logits + refiner(context, prev_true, read_out=add_on_read_out)
             losses["xpress_ce"] = weighted_ce(refined, labels, weights)
             losses["xpress_tv"] = weighted_tv(refined, p, labels, weights)
             own = refined.detach().argmax(-1)
+            own = own if vocab is None else vocab[own]  # token ids: what the refiner reads back
             prev_own = torch.cat([prev_true[:, :2], own[:, :-1]], dim=1)
-            refined_own = drafter_logits + refiner(context, prev_own)
+            refined_own = drafter_logits + refiner(context, prev_own, read_out=add_on_read_out)
             losses["xpress_consistency"] = c.ce_weight * weighted_ce(refined_own, labels, weights) + \
                 c.tv_weight * weighted_tv(refined_own, p, labels, weights)
             total = total + c.ce_weight * losses["xpress_ce"] + c.tv_weight * losses["xpress_tv"] + \
                 c.consistency_weight * losses["xpress_consistency"]
         markov = self.speculator.markov_head
         if markov is not None:
-            markov_logits = drafter_logits.detach() + markov(prev_true[:, 1:])
+            markov_logits = drafter_logits.detach() + \
+                markov(prev_true[:, 1:], read_out=None if vocab is None else VocabRows(markov.w2, vocab))
             losses["markov_ce"] = weighted_ce(markov_logits, labels, weights)
             losses["markov_tv"] = weighted_tv(markov_logits, p, labels, weights)
             total = total + c.ce_weight * losses["markov_ce"] + c.tv_weight * losses["markov_tv"]
@@ -307,10 +337,14 @@ class SpeculatorTrainer(nn.Module):
     def estimate_tau(self, ids, mask, answer_starts, generator, num_jacobi_passes: int | None = None) -> dict:
         """Expected accepted length per block (bonus included) against the data's own continuation, greedy:
         1 + the number of leading draft tokens equal to the data, averaged over random anchors."""
-        B = self.config.block_size
+        B, vocab = self.config.block_size, self.speculator.draft_vocab
         features, _ = self.target_pass(ids, mask)
         anchors = sample_anchors(mask.sum(1), answer_starts, self.config.anchors_per_sequence, generator).to(ids.device)
-        hidden, drafter_logits = self.draft_blocks(ids, mask, features, anchors)
+
+        refiner, markov = self.speculator.refiner, self.speculator.markov_head
+        # as generate reads out: full width, nothing outside a draft vocabulary drafted
+        drafter_read_out, refiner_read_out, markov_read_out = draft_read_outs(vocab, self.lm_head, refiner, markov)
+        hidden, drafter_logits = self.draft_blocks(ids, mask, features, anchors, drafter_read_out)
         _, inside, tokens = block_windows(ids, mask, anchors, B)
         tokens = tokens.flatten(0, 1)
         truth, valid = tokens[:, 2:], inside[..., 2:].flatten(0, 1)
@@ -324,13 +358,13 @@ class SpeculatorTrainer(nn.Module):
             return float((1 + run.float()).mean())
 
         estimates = {"dflash": tau(drafter_logits.argmax(-1))}
-        if self.speculator.refiner is not None:
-            passes = num_jacobi_passes or self.speculator.refiner.config.num_jacobi_passes
-            drafts, _, _ = jacobi_refine(self.speculator.refiner, drafter_logits, hidden, tokens[:, :2], greedy, passes)
+        if refiner is not None:
+            passes = num_jacobi_passes or refiner.config.num_jacobi_passes
+            drafts, _, _ = jacobi_refine(refiner, drafter_logits, hidden, tokens[:, :2], greedy, passes, refiner_read_out)
             estimates["xpress"] = tau(drafts)
-        if self.speculator.markov_head is not None:
-            drafts, _ = markov_decode(self.speculator.markov_head, drafter_logits, tokens[:, 1],
-                                      lambda logits, slot, earlier: (logits.argmax(-1), logits))
+        if markov is not None:
+            drafts, _ = markov_decode(markov, drafter_logits, tokens[:, 1],
+                                      lambda logits, slot, earlier: (logits.argmax(-1), logits), markov_read_out)
             estimates["markov"] = tau(drafts)
         return estimates
 

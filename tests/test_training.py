@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
-from conftest import VOCAB, make_successor_target
+from conftest import VOCAB, make_speculator, make_successor_target
 
 from hf_specdiff import AutoSpeculator
-from hf_specdiff.training import TrainConfig, train
+from hf_specdiff.draft_vocab import DraftReadOut
+from hf_specdiff.training import SpeculatorTrainer, TrainConfig, collate, load_sequences, train, weighted_tv
 
 
 def write_distill(path, target, rows=24, seed=0):
@@ -323,3 +325,85 @@ def test_draft_vocab_size_gives_the_artifact_the_answers_most_frequent_tokens(tm
     assert continued.draft_vocab.tolist() == vocab
     with pytest.raises(ValueError, match="draft_vocab_size=0"):
         train(tiny_config(tmp_path, data, draft_vocab_size=0), target=target, progress=False)
+
+
+# -- training over a draft vocabulary -------------------------------------------------------------------------------
+
+
+def trainer_and_batch(target, rows, tokens=None, seed=0):
+    """A fresh speculator's trainer (block 8, 6 anchors) and a batch of random sequences drawn from `tokens`."""
+    speculator = AutoSpeculator.from_target(target, block_size=8, num_draft_layers=1, refiner_rank=16, seed=seed)
+    trainer = SpeculatorTrainer(target, speculator.float(), TrainConfig(block_size=8, anchors_per_sequence=6))
+    tokens = torch.arange(VOCAB) if tokens is None else tokens
+    generator = torch.Generator().manual_seed(seed)
+    sequences = [{"ids": tokens[torch.randint(len(tokens), (length,), generator=generator)].tolist(), "answer_start": 4}
+                 for length in rows]
+    return trainer, collate(sequences, pad_id=0)
+
+
+def losses_and_grads(trainer, batch):
+    trainer.speculator.zero_grad()
+    losses = trainer.losses(*batch, torch.Generator().manual_seed(1))
+    losses["loss"].backward()
+    return ({k: float(v.detach()) for k, v in losses.items()},
+            {n: p.grad.clone() for n, p in trainer.speculator.named_parameters() if p.grad is not None})
+
+
+def test_losses_over_a_vocabulary_of_every_token_in_any_order_are_the_full_vocabularys(target):
+    # the labels, the target's p, the read-outs and the refiner's own picks all go through the vocabulary's order
+    trainer, batch = trainer_and_batch(target, rows=(30, 22, 27))
+    full, full_grads = losses_and_grads(trainer, batch)
+    trainer.speculator.draft_vocab = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))
+    permuted, permuted_grads = losses_and_grads(trainer, batch)
+    assert permuted == pytest.approx(full, rel=1e-5)
+    assert full_grads.keys() == permuted_grads.keys()
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(permuted_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_losses_over_a_vocabulary_are_those_of_logits_minus_infinity_outside_it(target):
+    # What generate drafts from: the read-outs' full-width rows, -inf outside the vocabulary. The same losses (the
+    # data stays inside the vocabulary, where cross-entropy is finite; total variation counts p's mass outside it),
+    # computed over the vocabulary's 40 columns.
+    inside = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))[:40]
+    trainer, batch = trainer_and_batch(target, rows=(30, 22, 27), tokens=inside[:32])
+    trainer.speculator.draft_vocab = inside
+    compact, grads = losses_and_grads(trainer, batch)
+    assert all(math.isfinite(v) for v in compact.values())
+    outside = torch.ones(VOCAB, dtype=torch.bool).index_fill_(0, inside, False)
+    for head in (trainer.speculator.refiner, trainer.speculator.markov_head):  # rows no draft reads are not trained
+        assert head.w2.weight.grad[outside].abs().max() == 0 and head.w2.weight.grad[inside].abs().max() > 0
+
+    speculator = trainer.speculator
+    speculator.draft_vocab = None
+    trainer.lm_head = DraftReadOut(inside, trainer.lm_head.weight, float("-inf"))
+    for head in (speculator.refiner, speculator.markov_head):  # 0 outside, as generate's add-on read-out
+        head.w2.weight.data[outside] = 0
+    with torch.no_grad():
+        full_width = {k: float(v) for k, v in trainer.losses(*batch, torch.Generator().manual_seed(1)).items()}
+    assert compact == pytest.approx(full_width, rel=1e-5)
+
+
+def test_weighted_tv_over_vocabulary_columns_counts_the_mass_outside():
+    generator = torch.Generator().manual_seed(0)
+    logits, p = torch.randn(5, 3, 10, generator=generator), torch.randn(5, 3, 10, generator=generator).softmax(-1)
+    labels, weights = torch.randint(10, (5, 3), generator=generator), torch.tensor([1.0, 0.5, 0.25])
+    inside = torch.tensor([7, 2, 5, 0])
+    full_width = torch.full_like(logits, float("-inf")).index_copy_(-1, inside, logits[..., inside])
+    torch.testing.assert_close(weighted_tv(logits[..., inside], p[..., inside], labels, weights),
+                               weighted_tv(full_width, p, labels, weights))
+
+
+def test_held_out_estimate_drafts_only_from_the_vocabulary(target, tmp_path):
+    # an oracle speculator drafts the target's own answers; kept from every token the answers hold, it drafts
+    # nothing right, so every method's estimate is exactly 1 (the estimate reads out as generate does)
+    data = write_distill(tmp_path / "distill.jsonl", target, rows=6)
+    rows = load_sequences([str(data)], VOCAB, max_seq_len=64)
+    batch = collate(rows, pad_id=0)
+    trainer = SpeculatorTrainer(target, make_speculator(target, oracle=True).float(),
+                                TrainConfig(block_size=8, anchors_per_sequence=6))
+    free = trainer.estimate_tau(*batch, torch.Generator().manual_seed(0))
+    assert free["xpress"] > 1.5 and free["markov"] > 1.5, free
+    answered = {t for row in rows for t in row["ids"][row["answer_start"]:]}
+    trainer.speculator.draft_vocab = torch.tensor(sorted(set(range(VOCAB)) - answered))
+    assert trainer.estimate_tau(*batch, torch.Generator().manual_seed(0)) == {"dflash": 1, "xpress": 1, "markov": 1}
