@@ -455,7 +455,7 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
     bar.close()
     names = [n for n, _ in runs]
     datasets = list(dict.fromkeys(r["dataset"] for r in records))
-    return {"config": asdict(config), "environment": _environment(target, config), "runs": names,
+    return {"config": asdict(config), "environment": _environment(target, config, speculator), "runs": names,
             "summary": summarize(records, names),
             "by_dataset": {d: summarize([r for r in records if r["dataset"] == d], names) for d in datasets},
             "records": records}
@@ -609,17 +609,21 @@ def _pad(values, size):
     return list(values) + [0] * (size - len(values))
 
 
-def _environment(target, config) -> dict:
+def _environment(target, config, speculator=None) -> dict:
     import transformers
 
     device = config.device
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or platform.machine()
     from . import __version__
 
-    return {"device": device, "device_name": name, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "dtype": config.dtype, "model_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
-            "torch": torch.__version__, "transformers": transformers.__version__, "hf_specdiff": __version__,
-            "python": platform.python_version(), "target": target.config.name_or_path or type(target).__name__}
+    env = {"device": device, "device_name": name, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+           "dtype": config.dtype, "model_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+           "torch": torch.__version__, "transformers": transformers.__version__, "hf_specdiff": __version__,
+           "python": platform.python_version(), "target": target.config.name_or_path or type(target).__name__}
+    if speculator is not None:  # which one (the folder it was loaded from), and how many tokens it drafts from
+        env["speculator"] = speculator.drafter.config.name_or_path or None
+        env["draft_vocab_size"] = None if speculator.draft_vocab is None else len(speculator.draft_vocab)
+    return env
 
 
 def _prompt_source(result: dict) -> str:
@@ -630,8 +634,9 @@ def _prompt_source(result: dict) -> str:
 
 
 def _drafts_per_block(result: dict) -> str:
-    drafts = result["config"].get("num_draft_tokens")
-    return "" if drafts is None else f", {drafts} drafts per block (--num-draft-tokens)"
+    drafts, vocab = result["config"].get("num_draft_tokens"), result["environment"].get("draft_vocab_size")
+    return ("" if drafts is None else f", {drafts} drafts per block (--num-draft-tokens)") + \
+        ("" if vocab is None else f", drafts read out over a draft vocabulary of {vocab:,} tokens")
 
 
 def markdown_table(result: dict) -> str:

@@ -152,7 +152,7 @@ def run_batch_bench(config: BenchConfig, target=None, tokenizer=None, speculator
     for size in sizes:
         for name in names:
             curve[str(size)][name]["compiled"] = compiled[size, name]
-    return {"kind": "batch_curve", "config": asdict(config), "environment": _environment(target, config),
+    return {"kind": "batch_curve", "config": asdict(config), "environment": _environment(target, config, speculator),
             "runs": names, "batch_sizes": sizes, "curve": curve, "records": records}
 
 

@@ -11,6 +11,8 @@ import torch
 import hf_specdiff
 from hf_specdiff.bench import (
     BenchConfig,
+    _drafts_per_block,
+    _environment,
     _method_runs,
     load_prompts,
     markdown_table,
@@ -20,6 +22,7 @@ from hf_specdiff.bench import (
     run_bench,
     write_outputs,
 )
+from hf_specdiff.speculator import write_draft_vocab
 
 SPECULATIVE = ("dflash", "xpress_k1", "xpress_k4", "markov", "dflash_static", "xpress_static_k1", "xpress_static_k4")
 
@@ -73,8 +76,22 @@ def test_bench_reports_every_method_side_by_side(tmp_path, smollm):
     assert "prefill ms | decode tokens/s" in table
     assert "ar_static, dflash_static, xpress_static_k1, xpress_static_k4: static cache, not compiled" in table
     assert result["environment"]["device"] == "cpu"
+    # a speculator made here: no folder, drafts from every token
+    assert result["environment"]["speculator"] is None and result["environment"]["draft_vocab_size"] is None
+    assert "draft vocabulary" not in table
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "acceptance_by_position.png", "accepted_lengths.png", "speedup.png"]
+
+
+def test_environment_names_the_speculator_and_its_draft_vocabulary(tmp_path, smollm):
+    target, _, speculator = smollm
+    speculator.save_pretrained(tmp_path / "speculator")
+    write_draft_vocab(tmp_path / "speculator", torch.arange(1000))
+    loaded = hf_specdiff.AutoSpeculator.from_pretrained(tmp_path / "speculator")
+    env = _environment(target, BenchConfig(device="cpu"), loaded)
+    assert env["speculator"] == str(tmp_path / "speculator") and env["draft_vocab_size"] == 1000
+    footer = _drafts_per_block({"config": {"num_draft_tokens": 3}, "environment": env})
+    assert footer == ", 3 drafts per block (--num-draft-tokens), drafts read out over a draft vocabulary of 1,000 tokens"
 
 
 def test_sampled_bench_checks_losslessness_by_log_probability(tmp_path, smollm):
