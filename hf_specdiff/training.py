@@ -14,7 +14,8 @@ One step, on a batch of (prompt + the target's own answer) sequences:
 A speculator with a draft vocabulary (`draft_vocab.py`) is trained over it: drafts are read out over those tokens
 only, so the logits, their softmax q and the losses are computed over them only (total variation adds p's mass
 outside, which no draft can cover). That is the q inference samples from, and on a CPU it is most of a step's time:
-with 8,192 of SmolLM2's 49,152 tokens a step took N s instead of M s.
+with 8,192 of SmolLM2's 49,152 tokens a step (4 sequences of 256 tokens, 16 anchors each) took
+2.8 s instead of 7.8 s.
 
 Target embedding and lm_head are frozen (they are the target's). Built on `accelerate`: mixed precision, gradient
 accumulation and several GPUs need no code change; checkpoints resume.
