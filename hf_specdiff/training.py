@@ -299,26 +299,28 @@ class SpeculatorTrainer(nn.Module):
         prev_true = tokens[..., :B].masked_fill(~inside[..., :B], 0).flatten(0, 1)  # (N, B)
         p_index = where[..., 1:B].clamp(0, ids.shape[1] - 1).flatten(1)  # positions a..a+B-2
         p = self.target_probs(target_logits, p_index, vocab).view(b * nA, B - 1, -1)
-        if vocab is not None:  # labels as indices into the vocabulary; a token outside it cannot be drafted: ignored
-            labels = vocab_index(vocab, self.lm_head.weight.shape[0])[labels.clamp(min=0)].masked_fill(labels < 0, -100)
+        # Cross-entropy's labels index the logits: into the vocabulary, where a token outside it is ignored (it cannot
+        # be drafted). Total variation counts every slot inside the row (p's mass outside included): `labels`.
+        draft_labels = labels if vocab is None else \
+            vocab_index(vocab, self.lm_head.weight.shape[0])[labels.clamp(min=0)].masked_fill(labels < 0, -100)
         weights = position_weights(B, c.gamma, ids.device)
         drafter_logits = drafter_logits.flatten(0, 1)
         hidden = hidden.flatten(0, 1)
 
-        losses = {"drafter_ce": weighted_ce(drafter_logits, labels, weights)}
+        losses = {"drafter_ce": weighted_ce(drafter_logits, draft_labels, weights)}
         total = c.anchor_weight * losses["drafter_ce"]
         refiner = self.speculator.refiner
         if refiner is not None:
             context = refiner.block_context(hidden)
             add_on_read_out = None if vocab is None else VocabRows(refiner.w2, vocab)
             refined = drafter_logits + refiner(context, prev_true, read_out=add_on_read_out)
-            losses["xpress_ce"] = weighted_ce(refined, labels, weights)
+            losses["xpress_ce"] = weighted_ce(refined, draft_labels, weights)
             losses["xpress_tv"] = weighted_tv(refined, p, labels, weights)
             own = refined.detach().argmax(-1)
             own = own if vocab is None else vocab[own]  # token ids: what the refiner reads back
             prev_own = torch.cat([prev_true[:, :2], own[:, :-1]], dim=1)
             refined_own = drafter_logits + refiner(context, prev_own, read_out=add_on_read_out)
-            losses["xpress_consistency"] = c.ce_weight * weighted_ce(refined_own, labels, weights) + \
+            losses["xpress_consistency"] = c.ce_weight * weighted_ce(refined_own, draft_labels, weights) + \
                 c.tv_weight * weighted_tv(refined_own, p, labels, weights)
             total = total + c.ce_weight * losses["xpress_ce"] + c.tv_weight * losses["xpress_tv"] + \
                 c.consistency_weight * losses["xpress_consistency"]
@@ -326,7 +328,7 @@ class SpeculatorTrainer(nn.Module):
         if markov is not None:
             markov_logits = drafter_logits.detach() + \
                 markov(prev_true[:, 1:], read_out=None if vocab is None else VocabRows(markov.w2, vocab))
-            losses["markov_ce"] = weighted_ce(markov_logits, labels, weights)
+            losses["markov_ce"] = weighted_ce(markov_logits, draft_labels, weights)
             losses["markov_tv"] = weighted_tv(markov_logits, p, labels, weights)
             total = total + c.ce_weight * losses["markov_ce"] + c.tv_weight * losses["markov_tv"]
         losses["loss"] = total

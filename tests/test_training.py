@@ -361,16 +361,18 @@ def test_losses_over_a_vocabulary_of_every_token_in_any_order_are_the_full_vocab
         torch.testing.assert_close(permuted_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_losses_over_a_vocabulary_are_those_of_logits_minus_infinity_outside_it(target):
-    # What generate drafts from: the read-outs' full-width rows, -inf outside the vocabulary. The same losses (the
-    # data stays inside the vocabulary, where cross-entropy is finite; total variation counts p's mass outside it),
-    # computed over the vocabulary's 40 columns.
+@pytest.mark.parametrize("data_outside", [False, True])
+def test_losses_over_a_vocabulary_are_those_of_logits_minus_infinity_outside_it(target, data_outside):
+    # What generate drafts from: the read-outs' full-width rows, -inf outside the vocabulary. The same losses
+    # computed over the vocabulary's 40 columns: all of them where the data stays inside it (cross-entropy is
+    # finite); total variation, which counts p's mass outside and every slot, also where the data leaves it.
     inside = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))[:40]
-    trainer, batch = trainer_and_batch(target, rows=(30, 22, 27), tokens=inside[:32])
+    outside = torch.ones(VOCAB, dtype=torch.bool).index_fill_(0, inside, False)
+    data = torch.cat([inside[:32], outside.nonzero()[:8, 0]]) if data_outside else inside[:32]
+    trainer, batch = trainer_and_batch(target, rows=(30, 22, 27), tokens=data)
     trainer.speculator.draft_vocab = inside
     compact, grads = losses_and_grads(trainer, batch)
     assert all(math.isfinite(v) for v in compact.values())
-    outside = torch.ones(VOCAB, dtype=torch.bool).index_fill_(0, inside, False)
     for head in (trainer.speculator.refiner, trainer.speculator.markov_head):  # rows no draft reads are not trained
         assert head.w2.weight.grad[outside].abs().max() == 0 and head.w2.weight.grad[inside].abs().max() > 0
 
@@ -381,6 +383,9 @@ def test_losses_over_a_vocabulary_are_those_of_logits_minus_infinity_outside_it(
         head.w2.weight.data[outside] = 0
     with torch.no_grad():
         full_width = {k: float(v) for k, v in trainer.losses(*batch, torch.Generator().manual_seed(1)).items()}
+    if data_outside:  # full width, a data token outside the vocabulary costs an infinite cross-entropy
+        assert math.isinf(full_width["drafter_ce"])
+        compact, full_width = ({k: d[k] for k in ("xpress_tv", "markov_tv")} for d in (compact, full_width))
     assert compact == pytest.approx(full_width, rel=1e-5)
 
 
