@@ -7,7 +7,9 @@ chooses between:
 - the decoder's projections: all 210 of the 30 layers (q, k, v, o, gate, up, down), each its own weight, so that
   they stream from memory as in a forward (one weight timed alone stays in the cache and hides that);
 - the vocabulary read-out (576 -> 49152), and, as transformers calls it, with W^T stored instead (a copy of W);
-- a speculator's low-rank read-out (the refiner's and the Markov head's, rank 64 -> 49152).
+- a speculator's low-rank read-out (the refiner's and the Markov head's, rank 64 -> 49152);
+- both read-outs over an 8,192-token draft vocabulary (`hf_specdiff/draft_vocab.py`), whose rows are a copy, so that
+  storing it transposed costs nothing: `DraftReadOut` computes x @ W^T with W^T stored.
 
     python examples/linear_cost.py [--rows 1 2 3 4 8 16] [--repeats 20] [--threads N]
 """
@@ -44,6 +46,8 @@ def main() -> None:
     read_out = torch.randn(49152, 576)
     read_out_t = read_out.t().contiguous()
     low_rank = torch.randn(49152, 64)
+    draft, draft_low_rank = torch.randn(8192, 576), torch.randn(8192, 64)
+    draft_t, draft_low_rank_t = draft.t().contiguous(), draft_low_rank.t().contiguous()
     layouts = {
         "30 layers' projections F.linear": lambda x: [F.linear(x[w.shape[1]], w) for w in projections],
         "30 layers' projections (W@x^T)^T": lambda x: [(w @ x[w.shape[1]].t()).t() for w in projections],
@@ -52,6 +56,12 @@ def main() -> None:
         "read-out (W @ x^T)^T": lambda x: (read_out @ x[576].t()).t(),
         "low-rank read-out F.linear": lambda x: F.linear(x[64], low_rank),
         "low-rank read-out (W @ x^T)^T": lambda x: (low_rank @ x[64].t()).t(),
+        "draft read-out F.linear": lambda x: F.linear(x[576], draft),
+        "draft read-out x @ W^T (stored)": lambda x: x[576] @ draft_t,
+        "draft read-out (W @ x^T)^T": lambda x: (draft @ x[576].t()).t().contiguous(),
+        "draft low-rank F.linear": lambda x: F.linear(x[64], draft_low_rank),
+        "draft low-rank x @ W^T (stored)": lambda x: x[64] @ draft_low_rank_t,
+        "draft low-rank (W @ x^T)^T": lambda x: (draft_low_rank @ x[64].t()).t().contiguous(),
     }  # x: the M input rows by their width
     print(f"ms per call, float32, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"{'':34}" + "".join(f"{'M=' + str(m):>9}" for m in args.rows))

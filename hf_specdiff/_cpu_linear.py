@@ -16,7 +16,9 @@ product with a few rows streams W from memory much more slowly than the same pro
     (49152 x 64)              (W@x^T)^T   0.32    0.72    1.03    0.63    1.12    0.84    1.50    2.75
 
 (One weight timed alone stays in the cache and hides the difference: the projections are timed as a forward meets
-them, 210 distinct weights in turn.) The speculator's own read-outs call `linear` (the refiner's and the Markov head's).
+them, 210 distinct weights in turn.) The speculator's own read-outs over the whole vocabulary call `linear` (the
+refiner's and the Markov head's); over a draft vocabulary they multiply a transposed copy of its rows instead
+(`draft_vocab.DraftReadOut`).
 The target's verify forwards and the drafter's passes, whose Linear layers belong to transformers' modules, run inside
 `FewRowLinears`, a torch function mode that routes each `F.linear` call made while it is active through `linear`. It
 changes nothing on the model and sees each call's own rows, so a model's logit post-processing (scaling, soft-capping)

@@ -609,11 +609,25 @@ def _pad(values, size):
     return list(values) + [0] * (size - len(values))
 
 
+def cpu_name() -> str:
+    """The CPU's model name: CPU figures depend on it (the BLAS paths a few-row forward takes differ between an AMD
+    EPYC and an Intel Xeon host). Linux: /proc/cpuinfo's; elsewhere what `platform` knows (often only the
+    architecture)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _environment(target, config, speculator=None) -> dict:
     import transformers
 
     device = config.device
-    name = torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or platform.machine()
+    name = torch.cuda.get_device_name(0) if device.startswith("cuda") else cpu_name()
     from . import __version__
 
     env = {"device": device, "device_name": name, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),

@@ -30,7 +30,7 @@ from transformers.generation.logits_process import (
 from . import _compat
 from ._cpu_linear import few_row_linears
 from .batching import RowBatch, append_ragged, last_tokens
-from .draft_vocab import draft_read_outs
+from .draft_vocab import draft_read_outs, full_width, token_ids_of
 from .markov import markov_decode
 from .xpress import jacobi_refine, jacobi_refine_unrolled
 
@@ -106,21 +106,28 @@ class DraftPicker:
     Greedy: argmax of the processed logits. Sampling: Gumbel-max over the processed logits with one noise draw per
     block, shared by every pick inside the block (the xPress seed and all Jacobi passes), so a token is always an
     exact sample of the processed distribution it was picked from.
+
+    With a draft vocabulary (`token_ids`, N ids of a `vocab_size`-token vocabulary) the logits it is given are over its
+    N draft columns (`draft_vocab.DraftReadOut`), and so are the processed logits it returns; the tokens are ids.
+    Position-free processors run on the N columns as they are; any other sees them widened to the whole vocabulary
+    (-inf outside), since it reads token ids.
     """
 
-    def __init__(self, processors: LogitsProcessorList | None, do_sample: bool):
+    def __init__(self, processors: LogitsProcessorList | None, do_sample: bool,
+                 token_ids: torch.LongTensor | None = None, vocab_size: int | None = None):
         self.processors = processors
         self.do_sample = do_sample
+        self.token_ids, self.vocab_size = token_ids, vocab_size
         self.prefix: torch.LongTensor | None = None
         self.rows: RowBatch | None = None
         self.gumbel: torch.Tensor | None = None
 
-    def start_block(self, prefix: torch.LongTensor, num_slots: int, vocab_size: int, rows: RowBatch | None = None):
+    def start_block(self, prefix: torch.LongTensor, num_slots: int, num_columns: int, rows: RowBatch | None = None):
         """prefix (b, L): the sequence the block continues; `rows` when its rows end at different places (row i is
         `prefix[i, :rows.lengths[i]]`) or some rows of the batch have finished, None when every row is full."""
         self.prefix, self.rows = prefix, rows
         if self.do_sample:
-            exponential = torch.empty(prefix.shape[0], num_slots, vocab_size, device=prefix.device).exponential_()
+            exponential = torch.empty(prefix.shape[0], num_slots, num_columns, device=prefix.device).exponential_()
             self.gumbel = -exponential.log()
 
     @property
@@ -134,21 +141,29 @@ class DraftPicker:
     def _first(self, offset: int = 0) -> int | list[int]:
         return self.prefix.shape[1] + offset if self.rows is None else [n + offset for n in self.rows.lengths]
 
+    def _process(self, sequence: torch.LongTensor, logits: torch.Tensor, first: int | list[int]) -> torch.Tensor:
+        """`process_logits` over this picker's columns: (b, n, columns) float32."""
+        if self.token_ids is None or position_free(self.processors):
+            return process_logits(self.processors, sequence, logits, first, self.rows)
+        widened = full_width(logits, self.token_ids, self.vocab_size)
+        return process_logits(self.processors, sequence, widened, first, self.rows)[..., self.token_ids]
+
     def _choose(self, processed: torch.Tensor, slots: slice | int) -> torch.LongTensor:
-        return (processed + self.gumbel[:, slots] if self.do_sample else processed).argmax(dim=-1)
+        columns = (processed + self.gumbel[:, slots] if self.do_sample else processed).argmax(dim=-1)
+        return token_ids_of(columns, self.token_ids)
 
     def pick_slot(self, logits: torch.Tensor, slot: int, earlier: torch.LongTensor):
-        """One slot: logits (b, V); `earlier` (b, slot) are the block tokens before it."""
+        """One slot: logits (b, columns); `earlier` (b, slot) are the block tokens before it."""
         sequence = append_ragged(self.prefix, self.lengths, earlier)
-        processed = process_logits(self.processors, sequence, logits[:, None], self._first(slot), self.rows)[:, 0]
+        processed = self._process(sequence, logits[:, None], self._first(slot))[:, 0]
         return self._choose(processed, slot), processed
 
     def __call__(self, logits: torch.Tensor, assumed: torch.LongTensor | None):
-        """All slots at once: logits (b, n, V). Earlier slots are taken to hold `assumed` (b, n); with None, each
-        slot's prefix holds the tokens just picked for the slots before it."""
+        """All slots at once: logits (b, n, columns). Earlier slots are taken to hold `assumed` (b, n); with None,
+        each slot's prefix holds the tokens just picked for the slots before it."""
         if assumed is not None or position_free(self.processors):
             context = self.prefix if assumed is None else append_ragged(self.prefix, self.lengths, assumed)
-            processed = process_logits(self.processors, context, logits, self._first(), self.rows)
+            processed = self._process(context, logits, self._first())
             return self._choose(processed, slice(0, logits.shape[1])), processed
         tokens, processed = [], []
         for slot in range(logits.shape[1]):
@@ -291,16 +306,19 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         # Read-outs of the drafts: the target's lm_head and the add-on's w2, or their rows for the speculator's draft
-        # vocabulary (`draft_vocab.py`), copied once per call.
+        # vocabulary (`draft_vocab.py`), copied once per call: then a block is drafted over the vocabulary's columns,
+        # and q is widened to the whole vocabulary when it is handed to verification.
         add_on = self.refiner if method == "xpress" else self.markov_head if method == "markov" else None
         self.read_out, self.add_on_read_out = draft_read_outs(speculator.draft_vocab, self.lm_head, add_on)
+        self.draft_token_ids = getattr(self.read_out, "token_ids", None)  # None: the columns are the token ids
+        self.vocab_size = self.lm_head.weight.shape[0]
         self.max_length = generation_config.max_length
         self.block_size = self.drafter.config.block_size
         # Drafts offered per block: the first `max_drafts` slots (all B-1 by default). Fewer narrow the verify forward,
         # which pays where it is compute-bound (a CPU, large batches); the drafter still reads the whole block.
         self.max_drafts = num_draft_tokens or self.block_size - 1
         self.mask_token_id = self.drafter.config.mask_token_id
-        self.picker = DraftPicker(logits_processor, generation_config.do_sample)
+        self.picker = DraftPicker(logits_processor, generation_config.do_sample, self.draft_token_ids, self.vocab_size)
         self.stats = stats if stats is not None else SpeculationStats(method)
         self.device = self.drafter.device
         # The drafter's context K/V; never holds block K/V between calls. Static mode (the target decodes with a
@@ -390,7 +408,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
             if self.refine_step is not None and position_free(self.picker.processors):  # compiled: picker spelled out
                 tokens, q, passes = self.refine_step(
                     self.refiner, drafter_logits, hidden, anchors, self.num_jacobi_passes, self.picker.gumbel,
-                    self.picker.warp if self.picker.processors else None, self.add_on_read_out,
+                    self.picker.warp if self.picker.processors else None, self.add_on_read_out, self.draft_token_ids,
                 )
             else:
                 tokens, q, passes = jacobi_refine(
@@ -409,7 +427,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
 
         self.stats.drafted_tokens += sum(min(num_drafts, self.max_length - n - 1) for n in lengths)  # usable drafts
         candidate_ids = append_ragged(input_ids, sequence_lengths, tokens[:, :num_drafts].to(input_ids.device))
-        return candidate_ids, q[:, :num_drafts]
+        return candidate_ids, full_width(q[:, :num_drafts], self.draft_token_ids, self.vocab_size)
 
     def select_rows(self, index: torch.LongTensor) -> None:
         """Keep only these rows of the batch (finished rows leave it)."""
@@ -439,7 +457,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
 
 def draft_block(drafter, embed_tokens, lm_head, block_ids, features, positions, attention_mask, cache, num_drafts):
     """One drafter pass: its final hidden states (b, B, H) and its logits for the draft slots 1..num_drafts
-    (b, num_drafts, V), read out with the target's lm_head (or a `DraftReadOut` of it). The block's K/V are left in
+    (b, num_drafts, V), read out with the target's lm_head (or a `DraftReadOut` of it: (b, num_drafts, N)). The block's K/V are left in
     `cache` for the caller to crop."""
     hidden = drafter(
         noise_embeds=embed_tokens(block_ids).to(drafter.device),

@@ -72,8 +72,9 @@ def markov_decode(
     read_out: nn.Module | None = None,
 ) -> tuple[torch.LongTensor, torch.Tensor]:
     """Resolve the block left to right. `pick_slot(logits (b, V), slot, earlier tokens (b, slot))` applies the
-    target's processors and the block's noise; `read_out` is the head's read-out over a draft vocabulary (None: all
-    of w2). Returns tokens (b, B-1) and the processed logits q (b, B-1, V)."""
+    target's processors and the block's noise and returns token ids; `read_out` is the head's read-out over a draft
+    vocabulary (None: all of w2), whose N columns the drafter's logits (b, B-1, N) are then over too. Returns tokens
+    (b, B-1) and the processed logits q (b, B-1, V or N)."""
     tokens, q = [], []
     prev = anchor  # (b,)
     for slot in range(drafter_logits.shape[1]):

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .draft_vocab import VocabRows, draft_read_outs, top_tokens
+from .draft_vocab import VocabRows, draft_read_outs, token_ids_of, top_tokens
 from .markov import markov_decode
 from .speculator import AutoSpeculator, Speculator
 from .xpress import jacobi_refine
@@ -345,7 +345,7 @@ class SpeculatorTrainer(nn.Module):
         anchors = sample_anchors(mask.sum(1), answer_starts, self.config.anchors_per_sequence, generator).to(ids.device)
 
         refiner, markov = self.speculator.refiner, self.speculator.markov_head
-        # as generate reads out: full width, nothing outside a draft vocabulary drafted
+        # as generate reads out and picks: over a draft vocabulary's columns, mapped to token ids
         drafter_read_out, refiner_read_out, markov_read_out = draft_read_outs(vocab, self.lm_head, refiner, markov)
         hidden, drafter_logits = self.draft_blocks(ids, mask, features, anchors, drafter_read_out)
         _, inside, tokens = block_windows(ids, mask, anchors, B)
@@ -354,20 +354,20 @@ class SpeculatorTrainer(nn.Module):
         drafter_logits, hidden = drafter_logits.flatten(0, 1).float(), hidden.flatten(0, 1)
 
         def greedy(logits, assumed=None):
-            return logits.argmax(-1), logits
+            return token_ids_of(logits.argmax(-1), vocab), logits
 
         def tau(drafts):
             run = ((drafts == truth) & valid).int().cumprod(dim=1).sum(dim=1)
             return float((1 + run.float()).mean())
 
-        estimates = {"dflash": tau(drafter_logits.argmax(-1))}
+        estimates = {"dflash": tau(greedy(drafter_logits)[0])}
         if refiner is not None:
             passes = num_jacobi_passes or refiner.config.num_jacobi_passes
             drafts, _, _ = jacobi_refine(refiner, drafter_logits, hidden, tokens[:, :2], greedy, passes, refiner_read_out)
             estimates["xpress"] = tau(drafts)
         if markov is not None:
             drafts, _ = markov_decode(markov, drafter_logits, tokens[:, 1],
-                                      lambda logits, slot, earlier: (logits.argmax(-1), logits), markov_read_out)
+                                      lambda logits, slot, earlier: greedy(logits), markov_read_out)
             estimates["markov"] = tau(drafts)
         return estimates
 

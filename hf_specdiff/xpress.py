@@ -34,6 +34,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 
 from ._cpu_linear import linear
+from .draft_vocab import token_ids_of
 
 
 @strict
@@ -141,7 +142,8 @@ def jacobi_refine(
 
     Args:
         drafter_logits: (b, n, V) the drafter's logits for slots 1..n (n = B-1 for a whole block; fewer when the caller
-            drafts fewer tokens: the refiner never reads a later slot).
+            drafts fewer tokens: the refiner never reads a later slot); (b, n, N) over a draft vocabulary's columns,
+            which `read_out` and `pick` then read out and pick over.
         drafter_hidden: (b, B, H) the drafter's final hidden states for all B slots.
         anchor_tokens: (b, 2) the token before the anchor and the anchor: prev of slots 0 and 1.
         pick: `pick(logits, assumed)` -> (tokens, processed logits); `assumed` are the block tokens that earlier
@@ -150,7 +152,7 @@ def jacobi_refine(
         num_passes: K; at most n are run (see the module docstring).
         read_out: the refiner's read-out over a draft vocabulary (`draft_vocab.DraftReadOut`); None: all of w2.
     Returns:
-        tokens (b, n), q (b, n, V): the processed logits the tokens were picked from, passes run.
+        tokens (b, n) (token ids), q (b, n, V or N): the processed logits the tokens were picked from, passes run.
     """
     tokens, q = pick(drafter_logits, None)  # seed: the drafter alone
     context = refiner.block_context(drafter_hidden)[:, : drafter_logits.shape[1] + 1]  # the drafted slots' prefix
@@ -182,18 +184,20 @@ def jacobi_refine_unrolled(
     gumbel: torch.Tensor | None = None,
     warp: Callable[[torch.Tensor], torch.Tensor] | None = None,
     read_out: nn.Module | None = None,
+    token_ids: torch.LongTensor | None = None,
 ) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor]:
     """`jacobi_refine` with the picker spelled out, written for torch.compile: no host sync and no data-dependent
     branch. `warp` maps float32 logits (b, n, V) to processed ones (the target's processors whose output does not
     depend on earlier tokens: temperature, top-k, top-p, ...; None: none); `gumbel` (b, n, V) is the block's noise
-    when sampling, None for greedy; `read_out` as in `jacobi_refine`. It always runs min(K, n) passes: a fixed point
+    when sampling, None for greedy; `read_out` as in `jacobi_refine`, with `token_ids` the ids of its columns (None:
+    the columns are the ids). It always runs min(K, n) passes: a fixed point
     stays fixed (the same block gives the same logits), so the extra passes change nothing and the tokens and q are
     `jacobi_refine`'s. The number of passes `jacobi_refine` would have run is counted on the device.
 
     Returns tokens (b, n), q (b, n, V) float32, passes (0-d tensor)."""
     def pick(logits):
         q = logits.float() if warp is None else warp(logits.float())  # what `DraftPicker` returns
-        return (q if gumbel is None else q + gumbel).argmax(dim=-1), q
+        return token_ids_of((q if gumbel is None else q + gumbel).argmax(dim=-1), token_ids), q
 
     tokens, q = pick(drafter_logits)
     context = refiner.block_context(drafter_hidden)[:, : drafter_logits.shape[1] + 1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from hf_specdiff.bench import (
     BenchConfig,
     _drafts_per_block,
     _environment,
+    cpu_name,
     _method_runs,
     load_prompts,
     markdown_table,
@@ -92,6 +94,16 @@ def test_environment_names_the_speculator_and_its_draft_vocabulary(tmp_path, smo
     assert env["speculator"] == str(tmp_path / "speculator") and env["draft_vocab_size"] == 1000
     footer = _drafts_per_block({"config": {"num_draft_tokens": 3}, "environment": env})
     assert footer == ", 3 drafts per block (--num-draft-tokens), drafts read out over a draft vocabulary of 1,000 tokens"
+
+
+def test_environment_names_the_cpu_model(smollm):
+    # CPU figures depend on the CPU model (the BLAS paths of a few-row forward differ between vendors)
+    env = _environment(smollm[0], BenchConfig(device="cpu"))
+    assert env["device_name"] == cpu_name()
+    if Path("/proc/cpuinfo").exists():
+        models = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")]
+        assert models and env["device_name"] == models[0] and env["device_name"] != platform.machine()
 
 
 def test_sampled_bench_checks_losslessness_by_log_probability(tmp_path, smollm):

@@ -8,6 +8,14 @@ import json
 
 import pytest
 import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from conftest import (
     VOCAB,
     chi_square_p_value,
@@ -23,7 +31,8 @@ from test_greedy import assert_same_as_plain, prompts
 
 import hf_specdiff
 from hf_specdiff import AutoSpeculator, BlockDiffusionCandidateGenerator, Speculator, _compat
-from hf_specdiff.draft_vocab import DraftReadOut, top_tokens
+from hf_specdiff.candidates import DraftPicker
+from hf_specdiff.draft_vocab import DraftReadOut, full_width, token_ids_of, top_tokens
 
 METHODS = ["xpress", "dflash", "markov"]
 # Every third token left out: on a successor target (t -> t + 1) the accepted runs break at each of them.
@@ -56,17 +65,20 @@ def drafts_seen(monkeypatch):
     return seen
 
 
-def test_read_out_equals_the_full_one_on_the_vocabulary_and_fill_elsewhere():
+def test_read_out_is_the_full_one_over_the_vocabularys_columns_and_widens_back():
     weight, x = torch.randn(VOCAB, 16, dtype=torch.float64), torch.randn(2, 3, 16, dtype=torch.float64)
     vocab = torch.tensor([5, 0, 63, 17])
-    out = DraftReadOut(vocab, weight, float("-inf"))(x)
-    full = x @ weight.T
-    assert out.shape == full.shape
-    torch.testing.assert_close(out[..., vocab], full[..., vocab], rtol=0, atol=1e-12)
+    read_out = DraftReadOut(vocab, weight)
+    out, full = read_out(x), x @ weight.T
+    assert out.shape == (2, 3, len(vocab))
+    torch.testing.assert_close(out, full[..., vocab], rtol=0, atol=1e-12)
+    assert read_out.weight.shape == (len(vocab), 16) and torch.equal(read_out.weight, weight[vocab])
+    assert torch.equal(token_ids_of(out.argmax(-1), vocab), vocab[out.argmax(-1)])
+    widened = full_width(out, vocab, VOCAB)
     outside = torch.ones(VOCAB, dtype=torch.bool)
     outside[vocab] = False
-    assert torch.isneginf(out[..., outside]).all()
-    assert (DraftReadOut(vocab, weight, 0.0)(x)[..., outside] == 0).all()
+    assert torch.equal(widened[..., vocab], out) and torch.isneginf(widened[..., outside]).all()
+    assert full_width(full, None, VOCAB) is full and torch.equal(token_ids_of(vocab, None), vocab)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -87,6 +99,51 @@ def test_greedy_equals_plain_and_drafts_stay_in_the_vocabulary(method, cache, dr
     mean = {name: sum(t) / len(t) for name, t in taus.items()}
     if method != "dflash":  # the random drafter alone gets little accepted either way
         assert mean["restricted"] < mean["full"] - 0.5, mean
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("reads_ids", [True, False], ids=["processors-reading-ids", "position-free"])
+def test_picking_over_the_columns_is_picking_over_the_widened_logits(do_sample, reads_ids):
+    """The picker works over a draft vocabulary's columns; that must be what it does over the whole vocabulary with
+    -inf outside: the same token ids and the same q there. Processors that read token ids (repetition penalty, minimum
+    length) see the widened logits; position-free ones run on the columns. Sampling: the same noise on each token."""
+    vocab = EVERY_THIRD_LEFT_OUT
+    eos = int(vocab[3])
+    processors = LogitsProcessorList(
+        [RepetitionPenaltyLogitsProcessor(1.5), MinLengthLogitsProcessor(12, eos), TemperatureLogitsWarper(0.7)]
+        if reads_ids else [TemperatureLogitsWarper(0.7), TopKLogitsWarper(6), TopPLogitsWarper(0.9)]
+    )
+    generator = torch.Generator().manual_seed(1)
+    prefix = vocab[torch.randint(len(vocab), (2, 7), generator=generator)]  # repeated tokens: the penalty matters
+    logits = 3 * torch.randn(2, 4, len(vocab), generator=generator)
+    logits[..., 3] = logits.amax(-1) + 1  # EOS on top: the minimum length must move the pick
+    columns, whole = DraftPicker(processors, do_sample, vocab, VOCAB), DraftPicker(processors, do_sample)
+    columns.start_block(prefix, 4, len(vocab))
+    whole.start_block(prefix, 4, VOCAB)
+    if do_sample:  # the same noise on the same tokens
+        whole.gumbel = full_width(columns.gumbel, vocab, VOCAB, fill=0.0)
+    widened = full_width(logits, vocab, VOCAB)
+    for assumed in (None, vocab[torch.randint(len(vocab), (2, 4), generator=generator)]):
+        tokens, q = columns(logits, assumed)
+        expected_tokens, expected_q = whole(widened, assumed)
+        assert torch.equal(tokens, expected_tokens)
+        torch.testing.assert_close(full_width(q, vocab, VOCAB), expected_q)
+        assert set(tokens.flatten().tolist()) <= set(vocab.tolist())
+        assert not reads_ids or eos not in tokens.flatten().tolist()
+    token, q = columns.pick_slot(logits[:, 2], 2, vocab[:2].expand(2, -1))
+    expected_token, expected_q = whole.pick_slot(widened[:, 2], 2, vocab[:2].expand(2, -1))
+    assert torch.equal(token, expected_token)
+    torch.testing.assert_close(full_width(q, vocab, VOCAB), expected_q)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_with_processors_that_read_token_ids_equals_plain(method, drafts_seen):
+    target = hf_specdiff.enable(make_successor_target())
+    speculator = with_vocab(make_speculator(target, oracle=True), EVERY_THIRD_LEFT_OUT)
+    for i, prompt in prompts(count=6, seed=8):
+        assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=24, repetition_penalty=1.3,
+                             min_new_tokens=4 + i)
+    assert drafts_seen and drafts_seen <= set(EVERY_THIRD_LEFT_OUT.tolist())
 
 
 @pytest.mark.parametrize("method", ["xpress", "markov"])

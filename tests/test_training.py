@@ -11,7 +11,7 @@ import torch
 from conftest import VOCAB, make_speculator, make_successor_target
 
 from hf_specdiff import AutoSpeculator
-from hf_specdiff.draft_vocab import DraftReadOut
+from hf_specdiff.draft_vocab import DraftReadOut, full_width
 from hf_specdiff.training import SpeculatorTrainer, TrainConfig, collate, load_sequences, train, weighted_tv
 
 
@@ -361,6 +361,17 @@ def test_losses_over_a_vocabulary_of_every_token_in_any_order_are_the_full_vocab
         torch.testing.assert_close(permuted_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+class FullWidthReadOut(torch.nn.Module):
+    """A draft read-out's scores widened to the whole vocabulary, -inf outside: q as verification gets it."""
+
+    def __init__(self, read_out: DraftReadOut, inside: torch.LongTensor):
+        super().__init__()
+        self.read_out, self.inside = read_out, inside
+
+    def forward(self, hidden):
+        return full_width(self.read_out(hidden), self.inside, VOCAB)
+
+
 @pytest.mark.parametrize("data_outside", [False, True])
 def test_losses_over_a_vocabulary_are_those_of_logits_minus_infinity_outside_it(target, data_outside):
     # What generate drafts from: the read-outs' full-width rows, -inf outside the vocabulary. The same losses
@@ -378,7 +389,7 @@ def test_losses_over_a_vocabulary_are_those_of_logits_minus_infinity_outside_it(
 
     speculator = trainer.speculator
     speculator.draft_vocab = None
-    trainer.lm_head = DraftReadOut(inside, trainer.lm_head.weight, float("-inf"))
+    trainer.lm_head = FullWidthReadOut(DraftReadOut(inside, trainer.lm_head.weight), inside)
     for head in (speculator.refiner, speculator.markov_head):  # 0 outside, as generate's add-on read-out
         head.w2.weight.data[outside] = 0
     with torch.no_grad():
