@@ -72,7 +72,9 @@ def test_linear_cost_prints_one_row_per_layout():
     rows = {line[:34].strip(): [float(v) for v in line[34:].split()] for line in out[2:]}
     assert set(rows) == {"30 layers' projections F.linear", "30 layers' projections (W@x^T)^T", "read-out F.linear",
                          "read-out x @ W^T (W^T stored)", "read-out (W @ x^T)^T", "low-rank read-out F.linear",
-                         "low-rank read-out (W @ x^T)^T"}
+                         "low-rank read-out (W @ x^T)^T", "draft read-out F.linear", "draft read-out x @ W^T (stored)",
+                         "draft read-out (W @ x^T)^T", "draft low-rank F.linear", "draft low-rank x @ W^T (stored)",
+                         "draft low-rank (W @ x^T)^T"}
     assert all(len(values) == 2 and min(values) > 0 for values in rows.values())
 
 
