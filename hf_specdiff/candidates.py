@@ -457,8 +457,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
 
 def draft_block(drafter, embed_tokens, lm_head, block_ids, features, positions, attention_mask, cache, num_drafts):
     """One drafter pass: its final hidden states (b, B, H) and its logits for the draft slots 1..num_drafts
-    (b, num_drafts, V), read out with the target's lm_head (or a `DraftReadOut` of it: (b, num_drafts, N)). The block's K/V are left in
-    `cache` for the caller to crop."""
+    (b, num_drafts, V), read out with the target's lm_head (or a `DraftReadOut` of it: (b, num_drafts, N)). The
+    block's K/V are left in `cache` for the caller to crop."""
     hidden = drafter(
         noise_embeds=embed_tokens(block_ids).to(drafter.device),
         context_hidden_states=features,
