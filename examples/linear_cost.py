@@ -2,8 +2,8 @@
 
 Why: on a CPU the verify forward of a few tokens costs much more than one token's forward (`verify_cost.py`). This
 script shows where that comes from. It times the BLAS call behind each Linear for M = 1, 2, 3, ... rows, as
-transformers calls it (`F.linear`, x @ W^T) and in the other layout ((W @ x^T)^T) that `hf_specdiff/_cpu_linear.py`
-chooses between:
+transformers calls it (`F.linear`, x @ W^T) and in the layouts that `hf_specdiff/_cpu_linear.py` chooses between:
+(W @ x^T)^T, and W packed by MKL once for that M ("packed W", packed before the timing; NaN where PyTorch has no MKL):
 - the decoder's projections: all 210 of the 30 layers (q, k, v, o, gate, up, down), each its own weight, so that
   they stream from memory as in a forward (one weight timed alone stays in the cache and hides that);
 - the vocabulary read-out (576 -> 49152), and, as transformers calls it, with W^T stored instead (a copy of W);
@@ -48,12 +48,24 @@ def main() -> None:
     low_rank = torch.randn(49152, 64)
     draft, draft_low_rank = torch.randn(8192, 576), torch.randn(8192, 64)
     draft_t, draft_low_rank_t = draft.t().contiguous(), draft_low_rank.t().contiguous()
+    packs = {}  # MKL's packed copies by weight and row count, made before the timing
+
+    def packed(weight, x):
+        key = (id(weight), len(x[576]))
+        if key not in packs:
+            packs[key] = torch.ops.mkl._mkl_reorder_linear_weight(weight, len(x[576]))
+        return packs[key]
+
     layouts = {
         "30 layers' projections F.linear": lambda x: [F.linear(x[w.shape[1]], w) for w in projections],
         "30 layers' projections (W@x^T)^T": lambda x: [(w @ x[w.shape[1]].t()).t() for w in projections],
+        "30 layers' projections packed W": lambda x: [
+            torch.ops.mkl._mkl_linear(x[w.shape[1]], packed(w, x), w, None, len(x[576])) for w in projections
+        ],
         "read-out F.linear": lambda x: F.linear(x[576], read_out),
         "read-out x @ W^T (W^T stored)": lambda x: x[576] @ read_out_t,
         "read-out (W @ x^T)^T": lambda x: (read_out @ x[576].t()).t(),
+        "read-out packed W": lambda x: torch.ops.mkl._mkl_linear(x[576], packed(read_out, x), read_out, None, len(x[576])),
         "low-rank read-out F.linear": lambda x: F.linear(x[64], low_rank),
         "low-rank read-out (W @ x^T)^T": lambda x: (low_rank @ x[64].t()).t(),
         "draft read-out F.linear": lambda x: F.linear(x[576], draft),
@@ -69,6 +81,10 @@ def main() -> None:
         cells = []
         for rows in args.rows:
             x = {width: torch.randn(rows, width) for width in (64, 576, 1536)}
+            if "packed" in name and not torch.backends.mkl.is_available():
+                cells.append(float("nan"))
+                continue
+            fn(x)  # packs, where the layout needs them
             cells.append(milliseconds(lambda: fn(x), args.repeats))
         print(f"{name:34}" + "".join(f"{c:9.2f}" for c in cells))
 

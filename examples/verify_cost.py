@@ -12,7 +12,8 @@ with a static cache and the forward compiled as `generate` compiles it (the firs
 Prints the median ms per forward, its ratio to plain decoding's forward (eager width 1; for static + compiled, its own
 width 1), and so the tau that width - 1 drafts need to break even.
 For a float32 CPU target also the forward as the speculative loop runs it there, its Linear layers in the faster BLAS
-layout for a few rows (`hf_specdiff/_cpu_linear.py`), eager and (with `--compile`) compiled through it.
+layouts for a few rows (`hf_specdiff/_cpu_linear.py`): (W @ x^T)^T, eager and (with `--compile`) compiled through it,
+and the weights packed by MKL for the width (eager; the packs are made in the warm-up calls).
 
     python examples/verify_cost.py [--target PATH] [--device cuda] [--dtype bfloat16] [--compile]
 """
@@ -26,7 +27,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from hf_specdiff import _compat
+from hf_specdiff import _compat, _cpu_linear
 from hf_specdiff._cpu_linear import FewRowLinears, few_row_linears
 from hf_specdiff.bench import BenchConfig, load_prompts
 from hf_specdiff.candidates import synchronize
@@ -92,6 +93,16 @@ def main():
                 return target(**kwargs, **_compat.cache_kwargs(target, cache))
 
         setups["eager, few-row layout"] = (few_row_layout, dynamic)
+
+        # the loop packs the weights for its verify width; one context per width, as one per `generate` call
+        packed_modes = {w: few_row_linears(target, packed_rows=w) for w in args.widths}
+
+        def packed_for_width(cache, **kwargs):
+            with packed_modes[kwargs["input_ids"].numel()]:
+                return target(**kwargs, **_compat.cache_kwargs(target, cache))
+
+        setups["eager, weights packed for the width"] = (packed_for_width, dynamic)
+        _cpu_linear.MAX_PACKED_ROW_COUNTS = len(args.widths)  # a pack per width, none dropped between repeats
     if args.compile:
         compiled = target.get_compiled_call(_compat.compile_config_for_all_devices())
         static = lambda: prefilled(_compat.new_static_cache(target.config, args.context + max(args.widths)))

@@ -9,6 +9,7 @@ q is the true draft distribution; the refiner only ever touches draft logits, ne
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -336,10 +337,16 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         # With a compile config (the target's decoding forward is compiled too), the draft step after the first and
         # the Jacobi refinement (when every logits processor is position-free) run through torch.compile.
         self.draft_step = compiled(draft_block, compile_config) if compile_config is not None else draft_block
-        # Drafter passes on the CPU run their few rows through the faster BLAS layout (`_cpu_linear.py`), compiled
-        # ones included (traced through it).
-        self.layout = few_row_linears(self.drafter, self.lm_head)
+        # Drafter passes on the CPU run their few rows through the faster BLAS layouts (`_cpu_linear.py`; weights
+        # packed for the batch's blocks of rows), compiled ones included (traced through it). Made by the first pass,
+        # which knows the batch.
+        self.layout: contextlib.AbstractContextManager | None = None
         self.refine_step = compiled(jacobi_refine_unrolled, compile_config) if compile_config is not None else None
+
+    def _layout(self, batch: int) -> contextlib.AbstractContextManager:
+        if self.layout is None:
+            self.layout = few_row_linears(self.drafter, self.lm_head, packed_rows=batch * self.block_size)
+        return self.layout
 
     @torch.no_grad()
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
@@ -387,7 +394,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
                 positions = torch.cat([(seen[:, context_length - num_new :] - 1).clamp(min=0), seen[:, -1:] + block], 1)
                 attention_mask = torch.cat([context_mask, context_mask.new_ones(batch, self.block_size)], 1)
                 attention_mask = attention_mask.to(self.device)
-            with self.layout:
+            with self._layout(batch):
                 features = self.drafter.context_features(model_outputs.hidden_states, num_new).to(self.device)
                 hidden, drafter_logits = draft_block(self.drafter, self.embed_tokens, self.read_out, block_ids,
                                                      features, positions, attention_mask, self.cache, self.max_drafts)
@@ -446,7 +453,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         visible = (slots < context_length) | ((slots >= block_start) & (slots < block_start + self.block_size))
         # The first call's context width is the prompt's, a shape seen once: it runs eagerly, like the target's prefill.
         step = draft_block if self.cached_context == 0 else self.draft_step
-        with self.layout:
+        with self._layout(block_ids.shape[0]):
             out = step(self.drafter, self.embed_tokens, self.read_out, block_ids, features,
                        positions.expand(block_ids.shape[0], -1), visible[None, None, None, :], self.cache,
                        self.max_drafts)

@@ -1,10 +1,13 @@
-"""The CPU few-row layout (`_cpu_linear.py`): the same products as `F.linear`, taken only where it was measured to pay;
-with it in the target's verify forwards and the drafter's passes, speculative greedy output is still the target's own,
-batched and with a target that post-processes its logits; the mode never outlives the call that entered it."""
+"""The CPU few-row layouts (`_cpu_linear.py`): the same products as `F.linear`, taken only where they were measured to
+pay; weights packed once, kept across calls, packed anew when they change (through `.data` too) and freed with them;
+with the layouts in the target's verify forwards and the drafter's passes, speculative greedy output is still the
+target's own, batched and with a target that post-processes its logits; the mode never outlives the call that entered
+it."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -12,7 +15,15 @@ import torch.nn.functional as F
 
 import hf_specdiff
 from hf_specdiff import _compat, _cpu_linear, candidates
-from hf_specdiff._cpu_linear import FewRowLinears, few_row_linears, linear, transposed_layout_pays
+from hf_specdiff._cpu_linear import (
+    FewRowLinears,
+    PackedWeights,
+    few_row_linears,
+    layout,
+    linear,
+    packed_layout_pays,
+    transposed_layout_pays,
+)
 
 from conftest import make_speculator, make_successor_target, make_target, require_cpu_compiler
 
@@ -42,13 +53,94 @@ def test_transposed_layout_only_for_a_few_rows_of_a_float32_cpu_weight():
     assert transposed_layout_pays(torch.randn(4, HIDDEN), torch.randn(HIDDEN, HIDDEN))  # a projection too
 
 
-def recorded_linears(monkeypatch) -> list[tuple[torch.Tensor, bool]]:
-    """(weight, transposed layout taken) of every call that `FewRowLinears` routes through `linear`."""
+needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this PyTorch has no MKL to pack weights")
+
+
+@needs_mkl
+@pytest.mark.parametrize("shape", [(2, HIDDEN), (1, 5, HIDDEN), (2, 16, HIDDEN), (40, HIDDEN)])
+@pytest.mark.parametrize("out_features", [VOCAB, HIDDEN])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_through_a_packed_weight_equals_f_linear(shape, out_features, with_bias):
+    torch.manual_seed(0)
+    x, weight = torch.randn(shape), torch.nn.Parameter(torch.randn(out_features, HIDDEN), requires_grad=False)
+    bias = torch.randn(out_features) if with_bias else None
+    packs = PackedWeights(rows=x.numel() // HIDDEN)
+    assert layout(x, weight, packs) == "packed"
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    out = linear(x, weight, bias, packs)
+    assert out.shape == expected.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_only_for_the_packed_row_count_of_a_float32_cpu_parameter_in_inference():
+    weight = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN))
+    packs = PackedWeights(rows=4)
+    x = torch.randn(1, 4, HIDDEN)
+    mkl = torch.backends.mkl.is_available()
+    with torch.no_grad():
+        assert layout(x, weight, packs) == ("packed" if mkl else "transposed")
+        assert layout(torch.randn(5, HIDDEN), weight, packs) == "transposed"  # another row count
+        assert layout(torch.randn(1, HIDDEN), weight, PackedWeights(rows=1)) == ("packed" if mkl else "f.linear")
+        assert layout(x, weight.detach(), packs) == "transposed"  # a weight computed in the forward: never packed
+        assert layout(x.double(), torch.nn.Parameter(weight.double()), packs) == "f.linear"
+        assert layout(x, weight, None) == "transposed"
+    assert not packed_layout_pays(x, weight)  # gradients recorded
+    assert layout(x, weight, packs) == "transposed"
+
+
+@needs_mkl
+def test_a_pack_is_kept_across_contexts_and_made_anew_when_the_weight_changes(monkeypatch):
+    """A later context reuses the pack; a change made through `.data`, which no version counter records (as PEFT merges
+    adapters), is caught by the fingerprint, and the product uses the new weight. Each context checks once."""
+    torch.manual_seed(0)
+    weight, x = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN), requires_grad=False), torch.randn(3, HIDDEN)
+    checks, original = [], _cpu_linear.fingerprint
+    monkeypatch.setattr(_cpu_linear, "fingerprint", lambda w: checks.append(w) or original(w))
+    first = PackedWeights(rows=3)
+    pack = first[weight]
+    assert first[weight] is pack and len(checks) == 1  # checked once per context
+    assert PackedWeights(rows=3)[weight] is pack and len(checks) == 2  # kept across contexts
+    version = weight._version
+    weight.data.mul_(-2.0)
+    assert weight._version == version  # invisible to the version counter
+    repacked = PackedWeights(rows=3)
+    assert repacked[weight] is not pack
+    torch.testing.assert_close(linear(x, weight, packs=repacked), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    weight.data = torch.randn(VOCAB, HIDDEN)  # a new storage, as `module.half().float()` gives
+    torch.testing.assert_close(linear(x, weight, packs=PackedWeights(rows=3)), F.linear(x, weight), rtol=1e-5,
+                               atol=1e-5)
+
+
+@needs_mkl
+def test_negative_control_a_pack_never_checked_again_computes_with_the_old_weight(monkeypatch):
+    torch.manual_seed(0)
+    weight, x = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN), requires_grad=False), torch.randn(3, HIDDEN)
+    monkeypatch.setattr(_cpu_linear, "fingerprint", lambda w: torch.zeros(1))  # blind to every change
+    old = F.linear(x, weight)
+    PackedWeights(rows=3)[weight]
+    weight.data.mul_(-2.0)
+    torch.testing.assert_close(linear(x, weight, packs=PackedWeights(rows=3)), old, rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_packs_are_freed_with_their_weight_and_a_weight_keeps_a_few_row_counts():
+    weight = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN), requires_grad=False)
+    for rows in range(2, 3 + _cpu_linear.MAX_PACKED_ROW_COUNTS):
+        PackedWeights(rows)[weight]
+    assert list(_cpu_linear._packs[weight]) == list(range(3, 3 + _cpu_linear.MAX_PACKED_ROW_COUNTS))  # 2 dropped
+    count = len(_cpu_linear._packs)
+    del weight
+    gc.collect()
+    assert len(_cpu_linear._packs) == count - 1
+
+
+def recorded_linears(monkeypatch) -> list[tuple[torch.Tensor, str]]:
+    """(weight, layout taken) of every call that `FewRowLinears` routes through `linear`."""
     calls, original = [], _cpu_linear.linear
 
-    def recording(input, weight, bias=None):
-        calls.append((weight, transposed_layout_pays(input, weight)))
-        return original(input, weight, bias)
+    def recording(input, weight, bias=None, packs=None):
+        calls.append((weight, layout(input, weight, packs)))
+        return original(input, weight, bias, packs)
 
     monkeypatch.setattr(_cpu_linear, "linear", recording)
     return calls
@@ -63,7 +155,7 @@ def test_the_mode_routes_every_f_linear_through_linear_and_only_while_active(mon
     with FewRowLinears():
         out = layer(x)
         F.linear(x[0, :1], layer.weight)  # one row: routed, left to F.linear
-    assert [taken for _, taken in calls] == [True, False] and all(w is layer.weight for w, _ in calls)
+    assert [taken for _, taken in calls] == ["transposed", "f.linear"] and all(w is layer.weight for w, _ in calls)
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     assert torch._C._len_torch_function_stack() == 0
 
@@ -82,6 +174,10 @@ def target_weights(target) -> set[int]:
     }
 
 
+# what the verify forwards and the drafter's blocks take: their row counts are the packed ones
+expected_layout = "packed" if torch.backends.mkl.is_available() else "transposed"
+
+
 @pytest.mark.parametrize("method", ["dflash", "xpress", "markov"])
 def test_float32_greedy_output_equals_plain_greedy_with_the_few_row_layout(method, monkeypatch):
     target = make_target(vocab_size=VOCAB, hidden_size=HIDDEN, dtype=torch.float32)
@@ -93,7 +189,7 @@ def test_float32_greedy_output_equals_plain_greedy_with_the_few_row_layout(metho
     ours = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=speculator, speculation=method)
     assert torch.equal(ours, plain)
     drafter_weights = {id(p) for p in speculator.drafter.parameters()}
-    taken = {id(weight) for weight, transposed in calls if transposed}
+    taken = {id(weight) for weight, taken in calls if taken == expected_layout}
     assert target_weights(target) <= taken  # every projection and the read-out of the verify forwards
     assert taken & drafter_weights  # and the drafter's
     assert torch._C._len_torch_function_stack() == 0
@@ -113,7 +209,7 @@ def test_batched_greedy_output_equals_plain_batched_greedy_with_the_few_row_layo
     ours = target.generate(prompts, attention_mask=mask, max_new_tokens=30, do_sample=False, assistant_model=speculator,
                            speculation=method, num_draft_tokens=num_draft_tokens)
     assert torch.equal(ours, plain)
-    assert any(weight is target.lm_head.weight and transposed for weight, transposed in calls)
+    assert any(weight is target.lm_head.weight and taken == expected_layout for weight, taken in calls)
 
 
 def offset_target(target):
@@ -137,15 +233,15 @@ def test_a_target_that_post_processes_its_logits_keeps_doing_so_in_the_few_row_l
     calls = recorded_linears(monkeypatch)
     ours = target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=speculator, speculation="dflash")
     assert torch.equal(ours, plain)
-    assert any(weight is target.lm_head.weight and transposed for weight, transposed in calls)
+    assert any(weight is target.lm_head.weight and taken == expected_layout for weight, taken in calls)
 
 
 def read_out_rows_rolled(target, monkeypatch) -> None:
     """From now on the layout gives the target's read-out with its rows swapped: logits the target never produces."""
     original = _cpu_linear.linear
 
-    def rows_rolled(input, weight, bias=None):
-        out = original(input, weight, bias)
+    def rows_rolled(input, weight, bias=None, packs=None):
+        out = original(input, weight, bias, packs)
         return out.roll(1, dims=-2) if weight is target.lm_head.weight and transposed_layout_pays(input, weight) else out
 
     monkeypatch.setattr(_cpu_linear, "linear", rows_rolled)
