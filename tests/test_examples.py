@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import require_bench_data, require_cpu_compiler
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "quickstart.ipynb"
@@ -70,12 +71,14 @@ def test_linear_cost_prints_one_row_per_layout():
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0].startswith("ms per call, float32, 1 threads") and out[1].split() == ["M=1", "M=2"]
     rows = {line[:34].strip(): [float(v) for v in line[34:].split()] for line in out[2:]}
-    assert set(rows) == {"30 layers' projections F.linear", "30 layers' projections (W@x^T)^T", "read-out F.linear",
+    assert set(rows) == {"30 layers' projections F.linear", "30 layers' projections (W@x^T)^T",
+                         "30 layers' projections packed W", "read-out F.linear", "read-out packed W",
                          "read-out x @ W^T (W^T stored)", "read-out (W @ x^T)^T", "low-rank read-out F.linear",
                          "low-rank read-out (W @ x^T)^T", "draft read-out F.linear", "draft read-out x @ W^T (stored)",
                          "draft read-out (W @ x^T)^T", "draft low-rank F.linear", "draft low-rank x @ W^T (stored)",
                          "draft low-rank (W @ x^T)^T"}
-    assert all(len(values) == 2 and min(values) > 0 for values in rows.values())
+    assert all(len(values) == 2 and (min(values) > 0 or "packed" in name and not torch.backends.mkl.is_available())
+               for name, values in rows.items())
 
 
 @pytest.mark.slow
