@@ -11,9 +11,10 @@ W into its blocked format on every call. Two remedies, measured side by side:
   pass's block), so `FewRowLinears(packed_rows=M)` packs the weights it meets for that M on first use and reuses the
   packs in every later call, across `generate` calls: they live in a cache keyed weakly by the weight (freed with
   the model). Each context checks a weight's pack once against the weight's fingerprint (W @ r, one matrix-vector
-  product: one plain decoding step's worth per `generate` call) and packs it anew if the weight has changed. A pack
-  costs a copy of the weight in memory for each row count kept (at most `MAX_PACKED_ROW_COUNTS` per weight, the least
-  recently used dropped), and packing SmolLM2-135M's 211 Linear weights takes about 0.7 s on the 2-core hosts, once.
+  product: about half a plain decoding step per `generate` call, 23 ms on the Intel host) and packs it anew if the
+  weight has changed. A pack costs a copy of the weight in memory for each row count kept (at most
+  `MAX_PACKED_ROW_COUNTS` per weight, the least recently used dropped), and packing SmolLM2-135M's 211 Linear weights
+  takes about 0.7 s on the 2-core hosts, once per row count.
 - **(W @ x^T)^T**, for other row counts: one pass over W serves every row.
 
 Ms per call, `python examples/linear_cost.py --rows 1 2 3 4 8 16 32 --threads 2` (MKL 2024.2, float32,
@@ -180,9 +181,13 @@ class FewRowLinears(TorchFunctionMode):
 
 def few_row_linears(*models: torch.nn.Module, packed_rows: int | None = None) -> contextlib.AbstractContextManager:
     """A `FewRowLinears(packed_rows)` context where any of the models has float32 weights on the CPU, else one that
-    does nothing (there `linear` is `F.linear`, and the mode would only cost its dispatch)."""
+    does nothing (there `linear` is `F.linear`, and the mode would only cost its dispatch). Nothing is packed for a
+    model that accelerate dispatches or offloads: its hooks may hand each forward new weight tensors, each of which
+    would be packed anew."""
     on_cpu_in_float32 = any(
         (p := next(model.parameters(), None)) is not None and p.device.type == "cpu" and p.dtype == torch.float32
         for model in models
     )
+    if any(hasattr(module, "_hf_hook") for model in models for module in model.modules()):
+        packed_rows = None
     return FewRowLinears(packed_rows) if on_cpu_in_float32 else contextlib.nullcontext()

@@ -167,6 +167,17 @@ def test_the_mode_only_where_a_model_has_float32_cpu_weights():
     assert isinstance(few_row_linears(torch.nn.Identity()), contextlib.nullcontext)  # no weights at all
 
 
+def test_packs_only_where_asked_and_never_for_a_model_accelerate_hooks():
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    assert few_row_linears(model).packs is None
+    assert few_row_linears(model, packed_rows=4).packs.rows == 4
+    add_hook_to_module(model[1], ModelHook())  # as `device_map` dispatch and offloading attach theirs
+    assert isinstance(few_row_linears(model, packed_rows=4), FewRowLinears)
+    assert few_row_linears(model, packed_rows=4).packs is None
+
+
 def target_weights(target) -> set[int]:
     """The Linear weights of its decoder layers, and its read-out."""
     return {id(p) for name, p in target.named_parameters() if "layers" in name and p.dim() == 2} | {
