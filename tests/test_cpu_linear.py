@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 
 import pytest
 import torch
@@ -128,10 +129,11 @@ def test_packs_are_freed_with_their_weight_and_a_weight_keeps_a_few_row_counts()
     for rows in range(2, 3 + _cpu_linear.MAX_PACKED_ROW_COUNTS):
         PackedWeights(rows)[weight]
     assert list(_cpu_linear._packs[weight]) == list(range(3, 3 + _cpu_linear.MAX_PACKED_ROW_COUNTS))  # 2 dropped
-    count = len(_cpu_linear._packs)
+    pack = weakref.ref(PackedWeights(3)[weight])
+    assert pack() is not None
     del weight
     gc.collect()
-    assert len(_cpu_linear._packs) == count - 1
+    assert pack() is None  # the cache let go of it with the weight
 
 
 def recorded_linears(monkeypatch) -> list[tuple[torch.Tensor, str]]:
