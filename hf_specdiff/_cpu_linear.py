@@ -47,7 +47,9 @@ cached tokens: with transformers' own switch `TRANSFORMERS_SDPA_FORCE_GQA=1` a 4
 Every layout sums the same products in another order, as a forward of one token and one of several already do.
 A forward compiled by torch.compile and called inside the mode is traced through it (dynamo guards on the mode stack,
 so the same forward called outside the mode, as plain decoding calls it, keeps a graph of its own) and takes the
-(W@x^T)^T layout: packs are made and looked up eagerly only.
+(W@x^T)^T layout: packs are made and looked up eagerly only. On the AMD host a compiled verify forward of 4 tokens took
+44.4 ms that way instead of 92.7, against 60.5 ms for plain compiled decoding's single token
+(`python examples/verify_cost.py --compile --widths 1 2 3 4 8 16 --repeats 12`).
 
 Plain decoding's single row takes BLAS's matrix-vector path either way (`generate` without speculation is left as
 transformers runs it). On CUDA and other devices, for other dtypes, and where gradients are recorded, `linear` is
