@@ -309,7 +309,7 @@ def export_speculator(args) -> None:
                                                   block_size=speculator.drafter.config.block_size)
     card = render_model_card(args.template or default_template("speculator.md"), speculator, train_config, {
         "title": title, "base_model": base_model, "license": card_license, **text,
-        "train_steps": log[-1]["step"] if log else 0,
+        "train_steps": f"{log[-1]['step'] if log else 0:,}",
         "holdout_estimate": f"{estimate} (step {last_eval.get('step', '-')})", "measured": measured,
         "bench_command": args.bench_command, "limitations": args.limitations, "storage_dtype": args.dtype,
         "earlier_training": args.earlier_training,
