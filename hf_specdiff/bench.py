@@ -623,6 +623,18 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# Environment variables that change how fast a run goes (not what it generates), recorded with its figures:
+# TRANSFORMERS_SDPA_FORCE_GQA lets SDPA read grouped K/V heads in place, where transformers otherwise copies them for
+# every masked forward (each verify forward of several cached tokens); the others cap the CPU's threads.
+SPEED_SETTINGS = ("TRANSFORMERS_SDPA_FORCE_GQA", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def speed_settings_note(env: dict) -> str:
+    """'; set: NAME=value, ...' for a table footer, or '' (results written before they were recorded too)."""
+    settings = env.get("speed_settings") or {}
+    return "; set: " + ", ".join(f"{name}={value}" for name, value in settings.items()) if settings else ""
+
+
 def _environment(target, config, speculator=None) -> dict:
     import transformers
 
@@ -633,7 +645,8 @@ def _environment(target, config, speculator=None) -> dict:
     env = {"device": device, "device_name": name, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
            "dtype": config.dtype, "model_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
            "torch": torch.__version__, "transformers": transformers.__version__, "hf_specdiff": __version__,
-           "python": platform.python_version(), "target": target.config.name_or_path or type(target).__name__}
+           "python": platform.python_version(), "target": target.config.name_or_path or type(target).__name__,
+           "speed_settings": {name: os.environ[name] for name in SPEED_SETTINGS if name in os.environ}}
     if speculator is not None:  # which one (the folder it was loaded from), and how many tokens it drafts from
         env["speculator"] = speculator.drafter.config.name_or_path or None
         env["draft_vocab_size"] = None if speculator.draft_vocab is None else len(speculator.draft_vocab)
@@ -683,7 +696,8 @@ def markdown_table(result: dict) -> str:
     lines.append("")
     lines.append(f"{env['device_name']} ({env['device']}), {env['dtype']}, torch {env['torch']}, "
                  f"transformers {env['transformers']}; {_prompt_source(result)}, "
-                 f"max_new_tokens {result['config']['max_new_tokens']}{_drafts_per_block(result)}.")
+                 f"max_new_tokens {result['config']['max_new_tokens']}{_drafts_per_block(result)}"
+                 f"{speed_settings_note(env)}.")
     if any("compiled" in e for e in result["summary"].values()):
         lines.append(f"{compile_note(result['summary'], result['config'])} Prefill = time to the first generated "
                      "token; decode tokens/s = the tokens after it over the time after it.")

@@ -357,6 +357,8 @@ def summarize_diffusion(records: list[dict], methods: list[str]) -> dict:
 
 
 def diffusion_markdown_table(result: dict) -> str:
+    from .bench import speed_settings_note
+
     lines = ["| dataset | method | NFE | NFE reduction | tokens/s | speedup | accuracy | finished | repeated 4-grams | "
              "base ppl | mismatches (unexplained) | exact |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     groups = list(result["by_dataset"].items()) + [("all", result["summary"])]
@@ -371,9 +373,9 @@ def diffusion_markdown_table(result: dict) -> str:
     env = result["environment"]
     lines.append("")
     lines.append(f"{env.get('device')}, {env.get('dtype')}, torch {env.get('torch')}, transformers "
-                 f"{env.get('transformers')}; accuracy: GSM8K / MATH-500 answer match, code sets: code parses; finished: answers "
-                 "ending with EOS within the budget; repeated 4-grams: share of an answer's 4-grams seen earlier in it; "
-                 "base ppl: the AR base's perplexity of the answers.")
+                 f"{env.get('transformers')}{speed_settings_note(env)}; accuracy: GSM8K / MATH-500 answer match, "
+                 "code sets: code parses; finished: answers ending with EOS within the budget; repeated 4-grams: "
+                 "share of an answer's 4-grams seen earlier in it; base ppl: the AR base's perplexity of the answers.")
     return "\n".join(lines)
 
 

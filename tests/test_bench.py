@@ -22,6 +22,7 @@ from hf_specdiff.bench import (
     paired_permutation_test,
     phase_times,
     run_bench,
+    speed_settings_note,
     write_outputs,
 )
 from hf_specdiff.speculator import write_draft_vocab
@@ -107,6 +108,20 @@ def test_environment_names_the_cpu_model(smollm):
         assert env["device_name"] == models[0] and env["device_name"] != platform.machine()
     else:
         assert env["device_name"] == (platform.processor() or platform.machine())
+
+
+def test_environment_records_the_settings_that_change_speed(monkeypatch, smollm):
+    # a figure measured with transformers' GQA switch or a thread cap is not comparable with one without: both say so
+    for name in ("TRANSFORMERS_SDPA_FORCE_GQA", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    assert _environment(smollm[0], BenchConfig(device="cpu"))["speed_settings"] == {}
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("UNRELATED_SETTING", "x")
+    env = _environment(smollm[0], BenchConfig(device="cpu"))
+    assert env["speed_settings"] == {"TRANSFORMERS_SDPA_FORCE_GQA": "1", "OMP_NUM_THREADS": "2"}
+    assert speed_settings_note(env) == "; set: TRANSFORMERS_SDPA_FORCE_GQA=1, OMP_NUM_THREADS=2"
+    assert speed_settings_note({}) == ""  # results written before the settings were recorded
 
 
 def test_sampled_bench_checks_losslessness_by_log_probability(tmp_path, smollm):
