@@ -43,7 +43,8 @@ verify forward of 4 tokens over 256 cached ones took 62.1 ms with the weights pa
 it, 91.7 in the (W@x^T)^T layout and 42.7 for plain decoding's single token; of 16 tokens 77.7 against 135.5 and 98.9
 (`python examples/verify_cost.py --widths 1 2 3 4 8 16 --repeats 10`, eager). Part of what is left is transformers
 copying the grouped K/V heads (`repeat_kv`) whenever an attention mask is given, as it is for every forward of several
-cached tokens: with transformers' own switch `TRANSFORMERS_SDPA_FORCE_GQA=1` a 4-token forward took about 16 ms less.
+cached tokens: with transformers' own switch `TRANSFORMERS_SDPA_FORCE_GQA=1` a 4-token forward took about 16 ms less in
+one comparison (a recorded A/B later could not separate it from the host's drift: `.../sdpa_force_gqa/`).
 Every layout sums the same products in another order, as a forward of one token and one of several already do.
 A forward compiled by torch.compile and called inside the mode is traced through it (dynamo guards on the mode stack,
 so the same forward called outside the mode, as plain decoding calls it, keeps a graph of its own) and takes the
