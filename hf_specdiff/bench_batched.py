@@ -223,11 +223,11 @@ def batch_markdown_table(result: dict) -> str:
                          if "finished_row_share" in summary["ar"]) or "not recorded"
     lines += ["", f"{env['device_name']} ({env['device']}), {env['dtype']}, torch {env['torch']}, transformers "
               f"{env['transformers']}; prompts from {source}, left-padded batches, max_new_tokens "
-              f"{config['max_new_tokens']}{_drafts_per_block(result)}{speed_settings_note(env)}; prompts used per batch size (full batches "
-              f"only): {used}; by dataset: {', '.join(f'{d} {n}' for d, n in mix.items())}. tokens/s counts each "
-              "row's tokens up to its first stop; tau is tokens per row per target forward; phase times are per "
-              f"batched step. {compile_note(first, config)} Plain batched generate's row-steps spent on rows that "
-              f"had already stopped: {finished}."]
+              f"{config['max_new_tokens']}{_drafts_per_block(result)}{speed_settings_note(env)}; prompts used per "
+              f"batch size (full batches only): {used}; by dataset: {', '.join(f'{d} {n}' for d, n in mix.items())}. "
+              "tokens/s counts each row's tokens up to its first stop; tau is tokens per row per target forward; "
+              f"phase times are per batched step. {compile_note(first, config)} Plain batched generate's row-steps "
+              f"spent on rows that had already stopped: {finished}."]
     if sampled:
         lines.append(sampling_note(config["temperature"], "rows"))
     return "\n".join(lines)

@@ -164,8 +164,11 @@ def test_markdown_renders_results_of_the_previous_bench_version():
     shipped = Path(__file__).parents[1] / "model_cards/results/smollm2-135m-cpu/earlier_weights/bench.json"
     if not shipped.is_file():
         pytest.skip("shipped bench results not present")
-    table = markdown_table(json.loads(shipped.read_text()))
-    assert "| all | xpress |" in table and "| - | - |" in table
+    result = json.loads(shipped.read_text())
+    table = markdown_table(result)
+    assert "| all | xpress |" in table and "| - | - |" in table and "; set:" not in table
+    result["environment"]["speed_settings"] = {"OMP_NUM_THREADS": "2"}  # the footer names a setting a run had
+    assert "max_new_tokens 96; set: OMP_NUM_THREADS=2." in markdown_table(result)
 
 
 def test_benchmark_sets_load_in_seeded_order():
