@@ -80,7 +80,8 @@ class TrainConfig:
     holdout_sequences: int = 16  # kept out of training to estimate acceptance
     eval_every: int = 100
     save_every: int = 100
-    # wall-clock budget of this call: after timing the pace, the run ends (schedule and all) where the budget reaches
+    # wall-clock budget of this call: the run ends (schedule and all) where the budget reaches at the pace timed
+    # after the first steps and again at each evaluation step
     time_budget_minutes: float | None = None
     seed: int = 0
     # which rows are held out (default: seed). A run continuing an init_speculator keeps the earlier run's held-out rows
@@ -409,9 +410,12 @@ class StepPlan:
 
     The last step is `max_steps`, unless a wall-clock budget (`minutes`) would not reach it: then the pace is timed
     over `probe_steps` steps (after the first, which pays for warm-up and any compilation) and the last step becomes
-    the one the budget reaches at that pace, keeping `reserve` of what is left for evaluations and saves. The
-    learning-rate schedule reads the last step when it is asked, so a cut run still warms up and decays to its end
-    (the warm-up shrinks to a tenth of a cut run if it was longer). The plan is saved with each checkpoint: a resumed
+    the one the budget reaches at that pace, keeping `reserve` of what is left for evaluations and saves. Paces drift
+    (a shared host slows down, evaluations and saves take their share), so the pace is timed again at every
+    evaluation step, over the steps since the last timing, and the last step moves earlier whenever the budget would
+    not reach it; it never moves later. The learning-rate schedule reads the last step when it is asked, so a cut run
+    still warms up and decays to its end (the warm-up shrinks to a tenth of a cut run if it was longer; a later cut
+    shortens the decay from there on). The plan is saved with each checkpoint: a resumed
     run that a budget cut keeps its cut (a run that was not cut may be resumed with a larger max_steps), and with a
     budget times itself again, from the start of that call, and may end sooner.
     The clock starts when the plan is made: at the start of the trainer's call, so loading counts. With several
@@ -428,8 +432,8 @@ class StepPlan:
         self.warmup_steps, self.eval_every, self.save_every = warmup_steps, eval_every, save_every
         self.minutes, self.probe_steps, self.reserve = minutes, probe_steps, reserve
         self._started = time.perf_counter()
-        self._probe: tuple[int, float] | None = None  # (step, time) the pace is timed from
-        self._timed = minutes is None
+        self._timed_from: tuple[int, float] | None = None  # (step, time) the next pace is timed from
+        self._timed = False  # whether the probe steps have been timed
         self._agree = agree or (lambda last_step: last_step)
 
     def lr_factor(self, step: int) -> float:
@@ -439,20 +443,23 @@ class StepPlan:
         return warmup_cosine(warmup, self.last_step)(step)
 
     def after_step(self, step: int) -> None:
-        """Call after optimizer step `step` (counted from 1) has finished."""
-        if self._timed:
+        """Call after optimizer step `step` (counted from 1) has finished. Every process calls it at every step, so
+        the timings (each one a collective through `agree`) fall on the same steps everywhere."""
+        if self.minutes is None or step >= self.last_step:
             return
         now = time.perf_counter()
-        if self._probe is None:
-            self._probe = (step, now)
+        if self._timed_from is None:  # the first step is done: time the pace from here
+            self._timed_from = (step, now)
             return
-        first, start = self._probe
-        if step - first < self.probe_steps:
+        first, start = self._timed_from
+        # the first timing once the probe steps are done, then one at each evaluation step
+        due = step % self.eval_every == 0 if self._timed else step - first >= self.probe_steps
+        if not due:
             return
         seconds_per_step = max((now - start) / (step - first), 1e-9)
         left = (self.minutes * 60 - (now - self._started)) * (1 - self.reserve)
         self.last_step = self._agree(max(step, min(self.last_step, step + int(left / seconds_per_step))))
-        self._timed = True
+        self._timed, self._timed_from = True, (step, now)
 
     def evaluates(self, step: int) -> bool:
         return step % self.eval_every == 0 or step == self.last_step
