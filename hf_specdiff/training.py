@@ -415,9 +415,9 @@ class StepPlan:
     evaluation step, over the steps since the last timing, and the last step moves earlier whenever the budget would
     not reach it; it never moves later. The learning-rate schedule reads the last step when it is asked, so a cut run
     still warms up and decays to its end (the warm-up shrinks to a tenth of a cut run if it was longer; a later cut
-    shortens the decay from there on). The plan is saved with each checkpoint: a resumed
-    run that a budget cut keeps its cut (a run that was not cut may be resumed with a larger max_steps), and with a
-    budget times itself again, from the start of that call, and may end sooner.
+    shortens the decay from there on). The plan is saved with each checkpoint: a resumed run that a budget cut keeps
+    its cut (a run that was not cut may be resumed with a larger max_steps), and with a budget times itself again,
+    from the start of that call, and may end sooner.
     The clock starts when the plan is made: at the start of the trainer's call, so loading counts. With several
     processes, `agree` turns each one's cut into one they all keep (the earliest), so they stop together.
     """
