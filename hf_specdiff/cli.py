@@ -311,8 +311,8 @@ def export_speculator(args) -> None:
         "title": title, "base_model": base_model, "license": card_license, **text,
         "train_steps": f"{log[-1]['step'] if log else 0:,}",
         "holdout_estimate": f"{estimate} (step {last_eval.get('step', '-')})", "measured": measured,
-        "bench_command": args.bench_command, "limitations": args.limitations, "storage_dtype": args.dtype,
-        "earlier_training": args.earlier_training,
+        "bench_json": args.bench_json, "bench_command": args.bench_command, "limitations": args.limitations,
+        "storage_dtype": args.dtype, "earlier_training": args.earlier_training,
     })
     write_model_card(args.output, card)
     share_like_umask(Path(args.output))  # safetensors writes 0600: readable by whoever publishes or uses it
@@ -367,8 +367,8 @@ def export_diffusion(args) -> None:
                                        train_config, log, graph, {
         "title": args.title or DIFFUSION_TITLE.format(name=base_model.split("/")[-1]), "base_model": base_model,
         "license": card_license, "graph_stale": graph_stale, **text, "measured": measured,
-        "bench_command": args.bench_command, "limitations": args.limitations, "storage_dtype": args.dtype,
-        "earlier_training": args.earlier_training,
+        "bench_json": args.bench_json, "bench_command": args.bench_command, "limitations": args.limitations,
+        "storage_dtype": args.dtype, "earlier_training": args.earlier_training,
     })
     write_model_card(output, card)
     share_like_umask(output)  # safetensors writes 0600: readable by whoever publishes or uses it
@@ -482,7 +482,9 @@ def _export_options(parser: argparse.ArgumentParser) -> None:
                         f"base: {EMBEDDED_DATA_DESCRIPTION!r}; required for another base)")
     parser.add_argument("--train-hardware", default=None, help="what it trained on (default for the embedded base: "
                         f"{EMBEDDED_TRAIN_HARDWARE!r}; required for another base)")
-    parser.add_argument("--limitations", default="", help="the card's Limitations section (default: none)")
+    parser.add_argument("--limitations", default="", help="the card's Limitations section: what these weights are not "
+                        "good for (default: what holds for every artifact of the kind: measured only as the card says, "
+                        "for its base model only)")
     parser.add_argument("--earlier-training", default="", help="for a run continued with --init-speculator or "
                         "--init-adapter: how that speculator or adapter was trained")
 

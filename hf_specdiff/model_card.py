@@ -8,6 +8,30 @@ from pathlib import Path
 from string import Template
 
 
+# A card's Limitations section when the exporter gives none (`hf-specdiff export --limitations`): what holds for every
+# artifact of its kind, so that no published card leaves the section empty.
+SPECULATOR_LIMITATIONS = (
+    "Acceptance and speed {measured} Prompts unlike the training data are drafted less well. It speculates for "
+    "{base_model} only: with another target (a fine-tune included) its drafts are rarely accepted, and hf_specdiff "
+    "warns when the target's embeddings are not the ones it was trained with. The output never depends on it: a "
+    "rejected draft costs time, not correctness."
+)
+DIFFUSION_LIMITATIONS = (
+    "Answer quality, forward passes and speed {measured} A masked diffusion LM adapted from a causal LM is usually "
+    "the weaker model of the two: compare its answers with its base's before relying on them. Spiffy's savings depend "
+    "on how confident the model is and on the prompts its graph was calibrated on; Spiffy never changes the output of "
+    "the decoding it speeds up."
+)
+
+
+def _limitations(facts: dict, default: str) -> str:
+    if facts.get("limitations"):
+        return facts["limitations"]
+    measured = ("were measured only as under Measured." if facts.get("bench_json")
+                else "have not been measured yet (see Measured).")
+    return default.format(measured=measured, base_model=facts["base_model"])
+
+
 def _parameters(module) -> str:
     count = sum(p.numel() for p in module.parameters())
     return f"{count / 1e6:.2f}M"
@@ -15,8 +39,9 @@ def _parameters(module) -> str:
 
 def render_model_card(template: str | Path, speculator, train_config: dict, facts: dict) -> str:
     """Fill the template. `facts` supplies what only the caller knows: title, base_model, license, data_description,
-    train_hardware, train_steps, holdout_estimate, measured (Markdown), bench_command, limitations, storage_dtype,
-    and `earlier_training` (what a continued run's starting speculator went through; may be empty)."""
+    train_hardware, train_steps, holdout_estimate, measured (Markdown), bench_json (the bench quoted, if any),
+    bench_command, limitations (empty: `SPECULATOR_LIMITATIONS`), storage_dtype, and `earlier_training` (what a
+    continued run's starting speculator went through; may be empty)."""
     drafter = speculator.drafter.config
     values = {
         "block_size": drafter.block_size,
@@ -42,6 +67,7 @@ def render_model_card(template: str | Path, speculator, train_config: dict, fact
         "consistency_weight": train_config["consistency_weight"],
         "initialisation": _initialisation(train_config, facts.get("earlier_training", "")),
         **facts,
+        "limitations": _limitations(facts, SPECULATOR_LIMITATIONS),
     }
     return Template(Path(template).read_text()).substitute(values)
 
@@ -59,8 +85,9 @@ def render_diffusion_model_card(template: str | Path, adapter_config: dict, weig
                                 log: list[dict], graph, facts: dict) -> str:
     """Fill the diffusion LM template. adapter_config / weights: the artifact's config.json and tensors; log: the
     training run's JSONL records; graph: its DraftGraph or None. `facts` as for `render_model_card` (title, base_model,
-    license, data_description, train_hardware, measured, bench_command, limitations, storage_dtype, and for a run that continued
-    an `init_adapter`, `earlier_training`: what that adapter went through; may be empty)."""
+    license, data_description, train_hardware, measured, bench_json, bench_command, limitations (empty:
+    `DIFFUSION_LIMITATIONS`), storage_dtype, and for a run that continued an `init_adapter`, `earlier_training`: what
+    that adapter went through; may be empty)."""
     lora = adapter_config.get("lora")
     size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 1e6
     count = sum(t.numel() for t in weights.values()) / 1e6
@@ -123,6 +150,7 @@ def render_diffusion_model_card(template: str | Path, adapter_config: dict, weig
         "holdout_start": f"{accuracy(evaluations[0])} {start_label}" if evaluations else "not measured",
         "holdout_end": accuracy(evaluations[-1]) if evaluations else "not measured",
         **facts,
+        "limitations": _limitations(facts, DIFFUSION_LIMITATIONS),
     }
     return Template(Path(template).read_text()).substitute(values)
 

@@ -280,6 +280,9 @@ def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_pat
             f"{last['eval_accuracy']:.1%} (step 30, held-out loss {last['eval_loss']:.2f}) at the end") in card
     assert "missing: calibrate one with `hf-specdiff calibrate`" in card
     assert "license: mit" in card and "- lora\n---" in card
+    limitations = card.split("## Limitations and intended use\n\n", 1)[1].split("\n\n", 1)[0]
+    assert limitations.startswith("Answer quality, forward passes and speed have not been measured yet (see Measured). "
+                                  "A masked diffusion LM")
 
     loaded = AutoDiffusionLM.from_pretrained(output)
     ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(3))
@@ -305,8 +308,10 @@ def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_pat
     with pytest.raises(SystemExit, match="cannot read it as JSON"):  # a typo: nothing replaced, the graph stays theirs
         main(export + ["--dtype", "bfloat16", "--bench-json", str(tmp_path / "typo.json")])
     assert {t.dtype for t in load_file(output / "adapter_model.safetensors").values()} == {torch.float32}
-    main(export + ["--dtype", "float32", "--bench-json", str(results / "smollm2-135m-diffusion-cpu" / "bench.json")])
-    assert "| gsm8k | spiffy |" in (output / "README.md").read_text()
+    main(export + ["--dtype", "float32", "--bench-json", str(results / "smollm2-135m-diffusion-cpu" / "bench.json"),
+                   "--limitations", "Answers repeat themselves."])
+    card = (output / "README.md").read_text()
+    assert "| gsm8k | spiffy |" in card and "## Limitations and intended use\n\nAnswers repeat themselves.\n" in card
     with pytest.raises(SystemExit, match="did not start from one: drop it"):
         main(export + ["--earlier-training", "614 steps"])
     with pytest.raises(SystemExit, match="neither speculator/ nor diffusion_lm/"):
