@@ -130,7 +130,6 @@ def test_speculator_round_trip(tmp_path):
     assert not any("embed" in k or "lm_head" in k for k in load_file(tmp_path / "model.safetensors"))
 
 
-
 def limitations(card: str) -> str:
     """The paragraph under a model card's "Limitations and intended use" heading."""
     return card.split("## Limitations and intended use\n\n", 1)[1].split("\n\n", 1)[0]
