@@ -188,3 +188,8 @@ def chi_square_p_value(counts: dict[tuple, int], expected_probs: dict[tuple, flo
     dof = len(cells) - 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
                                          torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+def card_limitations(card: str) -> str:
+    """The paragraph under a model card's "Limitations and intended use" heading."""
+    return card.split("## Limitations and intended use\n\n", 1)[1].split("\n\n", 1)[0]

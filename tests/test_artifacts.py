@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, make_speculator, make_target
+from conftest import VOCAB, card_limitations, make_speculator, make_target
 from safetensors.torch import load_file, save_file
 
 import hf_specdiff
@@ -130,11 +130,6 @@ def test_speculator_round_trip(tmp_path):
     assert not any("embed" in k or "lm_head" in k for k in load_file(tmp_path / "model.safetensors"))
 
 
-def limitations(card: str) -> str:
-    """The paragraph under a model card's "Limitations and intended use" heading."""
-    return card.split("## Limitations and intended use\n\n", 1)[1].split("\n\n", 1)[0]
-
-
 @pytest.mark.parametrize("continued", [False, True])
 def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsys):
     """`hf-specdiff export`: the run's speculator in the asked dtype, reloadable, with a card rendered from the run's
@@ -174,8 +169,8 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card  # the embedded target's Hub id
     assert "license: apache-2.0" in card and "Licence: apache-2.0 (the base model's)" in card  # SmolLM2's licence
     # no --limitations: the section still says what holds for every speculator, never left empty
-    assert limitations(card).startswith("Acceptance and speed have not been measured yet (see Measured). Prompts")
-    assert "for HuggingFaceTB/SmolLM2-135M-Instruct only" in limitations(card)
+    assert card_limitations(card).startswith("Acceptance and speed have not been measured yet (see Measured). Prompts")
+    assert "for HuggingFaceTB/SmolLM2-135M-Instruct only" in card_limitations(card)
     # another target: its licence is not ours to guess
     (run / "train_config.json").write_text(json.dumps({**config.to_dict(), "target": "my-org/my-llama"}))
     with pytest.raises(SystemExit, match="--license is required.*'my-org/my-llama'"):
@@ -213,10 +208,10 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
     main(fresh + ["--bench-json", str(results / "smollm2-135m-cpu" / "bench.json"), "--bench-command", "bench x"])
     card = (tmp_path / "fresh" / "README.md").read_text()
     assert "| xpress" in card and "bench x" in card
-    assert limitations(card).startswith("Acceptance and speed were measured only as under Measured.")
-    assert "for my-org/my-llama only" in limitations(card)
+    assert card_limitations(card).startswith("Acceptance and speed were measured only as under Measured.")
+    assert "for my-org/my-llama only" in card_limitations(card)
     main(fresh + ["--limitations", "Trained for a day only."])  # the exporter's own words replace the default
-    assert limitations((tmp_path / "fresh" / "README.md").read_text()) == "Trained for a day only."
+    assert card_limitations((tmp_path / "fresh" / "README.md").read_text()) == "Trained for a day only."
     (run / "train_config.json").write_text(json.dumps(config.to_dict()))
     with pytest.raises(SystemExit):
         main(export[:-2] + ["--dtype", "bf16"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_target
+from conftest import card_limitations, make_target
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -280,9 +280,8 @@ def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_pat
             f"{last['eval_accuracy']:.1%} (step 30, held-out loss {last['eval_loss']:.2f}) at the end") in card
     assert "missing: calibrate one with `hf-specdiff calibrate`" in card
     assert "license: mit" in card and "- lora\n---" in card
-    limitations = card.split("## Limitations and intended use\n\n", 1)[1].split("\n\n", 1)[0]
-    assert limitations.startswith("Answer quality, forward passes and speed have not been measured yet (see Measured). "
-                                  "A masked diffusion LM")
+    assert card_limitations(card).startswith("Answer quality, forward passes and speed have not been measured yet "
+                                             "(see Measured). A masked diffusion LM")
 
     loaded = AutoDiffusionLM.from_pretrained(output)
     ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(3))
