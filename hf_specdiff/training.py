@@ -411,13 +411,14 @@ class StepPlan:
     The last step is `max_steps`, unless a wall-clock budget (`minutes`) would not reach it: then the pace is timed
     over `probe_steps` steps (after the first, which pays for warm-up and any compilation) and the last step becomes
     the one the budget reaches at that pace, keeping `reserve` of what is left for evaluations and saves. Paces drift
-    (a shared host slows down, evaluations and saves take their share), so the pace is timed again at every
-    evaluation step, over the steps since the last timing, and the last step moves earlier whenever the budget would
-    not reach it; it never moves later. The learning-rate schedule reads the last step when it is asked, so a cut run
-    still warms up and decays to its end (the warm-up shrinks to a tenth of a cut run if it was longer; a later cut
-    shortens the decay from there on). The plan is saved with each checkpoint: a resumed run that a budget cut keeps
-    its cut (a run that was not cut may be resumed with a larger max_steps), and with a budget times itself again,
-    from the start of that call, and may end sooner.
+    (a shared host slows down or frees up, evaluations and saves take their share), so the pace is timed again at
+    every evaluation step, over the steps since the last timing, and the last step moves to where the budget now
+    reaches: earlier when the pace slowed, later (never past `max_steps`) when it quickened, so that a slow start does
+    not leave the rest of the budget unused. The learning-rate schedule reads the last step when it is asked, so a cut
+    run still warms up and decays to its end (the warm-up shrinks to a tenth of a cut run if it was longer; a moved cut
+    reshapes the decay from there on). The plan is saved with each checkpoint: a resumed run that a budget cut keeps
+    its cut as its end (a run that was not cut may be resumed with a larger max_steps), and with a budget times
+    itself again, from the start of that call, and may end sooner.
     The clock starts when the plan is made: at the start of the trainer's call, so loading counts. With several
     processes, `agree` turns each one's cut into one they all keep (the earliest), so they stop together.
     """
@@ -428,7 +429,7 @@ class StepPlan:
                  minutes: float | None = None, probe_steps: int = 20, reserve: float = 0.1, agree=None):
         if minutes is not None and minutes <= 0:
             raise ValueError(f"time_budget_minutes must be positive (or None for no budget); got {minutes}.")
-        self.max_steps = self.last_step = max_steps
+        self.max_steps = self.last_step = self.latest_end = max_steps  # latest_end: the furthest a re-timing may go
         self.warmup_steps, self.eval_every, self.save_every = warmup_steps, eval_every, save_every
         self.minutes, self.probe_steps, self.reserve = minutes, probe_steps, reserve
         self._started = time.perf_counter()
@@ -458,7 +459,7 @@ class StepPlan:
             return
         seconds_per_step = max((now - start) / (step - first), 1e-9)
         left = (self.minutes * 60 - (now - self._started)) * (1 - self.reserve)
-        self.last_step = self._agree(max(step, min(self.last_step, step + int(left / seconds_per_step))))
+        self.last_step = self._agree(max(step, min(self.latest_end, step + int(left / seconds_per_step))))
         self._timed, self._timed_from = True, (step, now)
 
     def evaluates(self, step: int) -> bool:
@@ -484,7 +485,7 @@ class StepPlan:
                              "train_config.json, or use a new output_dir.")
         accelerator.load_state(str(latest), **load_kwargs)
         if saved and saved["last_step"] < saved["max_steps"]:  # a run its budget cut: it keeps the cut
-            self.last_step = min(self.max_steps, saved["last_step"])
+            self.last_step = self.latest_end = min(self.max_steps, saved["last_step"])
         return int(latest.name.split("-")[-1])
 
     def save_checkpoint(self, accelerator, checkpoints: Path, step: int, save_artifact) -> None:

@@ -169,11 +169,12 @@ def test_step_plan_fits_the_run_into_its_time_budget(monkeypatch, tmp_path):
     assert plan.evaluates(plan.last_step) and plan.saves(plan.last_step) and not plan.saves(plan.last_step - 1)
     # the schedule is stretched to the cut: warm-up shrunk to a tenth (19 steps), full decay at the last step
     assert plan.lr_factor(18) == 1.0 and plan.lr_factor(plan.last_step) == pytest.approx(0.1)
-    # a steady pace keeps the cut: the timing at the next evaluation step (100) finds the budget still reaches it
+    # a steady pace: the timing at the next evaluation step (100) finds the time kept in reserve for evaluations and
+    # saves unspent (this clock gives them none) and moves the cut a little later, keeping a tenth of what is left
     for step in range(22, plan.last_step + 1):
         clock.now += 0.5
         plan.after_step(step)
-    assert plan.last_step == 192 and clock.now <= 120
+    assert plan.last_step == 100 + int((120 - 64.5) * 0.9 / 0.5) == 199 and clock.now <= 120
     # a host that slows down after the first timing: the timing at step 100 moves the cut earlier, within the budget
     clock.now = 0.0
     slowed = StepPlan(max_steps=1000, warmup_steps=50, eval_every=100, save_every=250, minutes=2, probe_steps=20)
@@ -186,6 +187,19 @@ def test_step_plan_fits_the_run_into_its_time_budget(monkeypatch, tmp_path):
             assert slowed.last_step == 192  # at 1 s a step this cut alone would end at 196 s of 120
     assert slowed.last_step == 100 + int((120 - 104) * 0.9 / 1.0) and clock.now <= 120
     assert slowed.lr_factor(slowed.last_step) == pytest.approx(0.1)  # the decay ends at the new cut
+    # a host that was busy while the pace was first timed and then frees up: the timing at step 100 moves the cut
+    # later, so the budget is used, and the run still ends within it
+    clock.now = 0.0
+    freed = StepPlan(max_steps=1000, warmup_steps=50, eval_every=100, save_every=250, minutes=2, probe_steps=20)
+    clock.now, step = 10.0, 0
+    while step < freed.last_step:
+        step += 1
+        clock.now += 5.0 if step == 1 else 0.75 if step <= 21 else 0.5  # faster once the pace was timed
+        freed.after_step(step)
+        if step == 21:
+            assert freed.last_step == 21 + int((120 - 30) * 0.9 / 0.75)  # 129: the cut the slow start alone gives
+    assert freed.last_step == 100 + int((120 - 69.5) * 0.9 / 0.5) and clock.now <= 120  # 190 steps, not 129
+    assert freed.lr_factor(freed.last_step) == pytest.approx(0.1)
     # never past max_steps, however much time is left
     roomy = StepPlan(max_steps=30, warmup_steps=5, eval_every=10, save_every=10, minutes=60, probe_steps=3)
     for step in range(1, 6):
