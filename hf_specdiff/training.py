@@ -438,10 +438,14 @@ class StepPlan:
         self._agree = agree or (lambda last_step: last_step)
 
     def lr_factor(self, step: int) -> float:
-        warmup = self.warmup_steps
-        if self.last_step < self.max_steps:
-            warmup = min(warmup, max(1, self.last_step // 10))
-        return warmup_cosine(warmup, self.last_step)(step)
+        return warmup_cosine(self.warmup_steps, self.last_step)(step)
+
+    def _end_at(self, last_step: int) -> None:
+        self.last_step = last_step
+        # A cut run warms up over a tenth of its steps at most. The warm-up never grows back: a cut moved later must
+        # not put a run that has finished warming up back into its warm-up.
+        if last_step < self.max_steps:
+            self.warmup_steps = min(self.warmup_steps, max(1, last_step // 10))
 
     def after_step(self, step: int) -> None:
         """Call after optimizer step `step` (counted from 1) has finished. Every process calls it at every step, so
@@ -459,7 +463,7 @@ class StepPlan:
             return
         seconds_per_step = max((now - start) / (step - first), 1e-9)
         left = (self.minutes * 60 - (now - self._started)) * (1 - self.reserve)
-        self.last_step = self._agree(max(step, min(self.latest_end, step + int(left / seconds_per_step))))
+        self._end_at(self._agree(max(step, min(self.latest_end, step + int(left / seconds_per_step)))))
         self._timed, self._timed_from = True, (step, now)
 
     def evaluates(self, step: int) -> bool:
@@ -485,7 +489,8 @@ class StepPlan:
                              "train_config.json, or use a new output_dir.")
         accelerator.load_state(str(latest), **load_kwargs)
         if saved and saved["last_step"] < saved["max_steps"]:  # a run its budget cut: it keeps the cut
-            self.last_step = self.latest_end = min(self.max_steps, saved["last_step"])
+            self.latest_end = min(self.max_steps, saved["last_step"])
+            self._end_at(self.latest_end)
         return int(latest.name.split("-")[-1])
 
     def save_checkpoint(self, accelerator, checkpoints: Path, step: int, save_artifact) -> None:

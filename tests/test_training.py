@@ -200,6 +200,7 @@ def test_step_plan_fits_the_run_into_its_time_budget(monkeypatch, tmp_path):
             assert freed.last_step == 21 + int((120 - 30) * 0.9 / 0.75)  # 129: the cut the slow start alone gives
     assert freed.last_step == 100 + int((120 - 69.5) * 0.9 / 0.5) and clock.now <= 120  # 190 steps, not 129
     assert freed.lr_factor(freed.last_step) == pytest.approx(0.1)
+    assert freed.warmup_steps == 129 // 10  # the first cut's warm-up: moving the cut later does not lengthen it
     # never past max_steps, however much time is left
     roomy = StepPlan(max_steps=30, warmup_steps=5, eval_every=10, save_every=10, minutes=60, probe_steps=3)
     for step in range(1, 6):
