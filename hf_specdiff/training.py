@@ -491,6 +491,8 @@ class StepPlan:
         if saved and saved["last_step"] < saved["max_steps"]:  # a run its budget cut: it keeps the cut
             self.latest_end = min(self.max_steps, saved["last_step"])
             self._end_at(self.latest_end)
+        # the warm-up the run had: a cut may have shortened it (checkpoints saved before the plan kept it lack it)
+        self.warmup_steps = min(self.warmup_steps, saved.get("warmup_steps", self.warmup_steps))
         return int(latest.name.split("-")[-1])
 
     def save_checkpoint(self, accelerator, checkpoints: Path, step: int, save_artifact) -> None:
@@ -501,6 +503,7 @@ class StepPlan:
         accelerator.save_state(str(folder))
         if accelerator.is_main_process:
             (folder / self.FILE).write_text(json.dumps({"last_step": self.last_step, "max_steps": self.max_steps,
+                                                        "warmup_steps": self.warmup_steps,
                                                         "holdout_fingerprint": self.holdout_fingerprint}))
         _prune_checkpoints(checkpoints, keep=2)
         if accelerator.is_main_process:

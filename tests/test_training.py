@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -201,6 +202,14 @@ def test_step_plan_fits_the_run_into_its_time_budget(monkeypatch, tmp_path):
     assert freed.last_step == 100 + int((120 - 69.5) * 0.9 / 0.5) and clock.now <= 120  # 190 steps, not 129
     assert freed.lr_factor(freed.last_step) == pytest.approx(0.1)
     assert freed.warmup_steps == 129 // 10  # the first cut's warm-up: moving the cut later does not lengthen it
+    # a run resumed from a checkpoint of a cut run ends at that cut at the latest and keeps its warm-up
+    checkpoint = tmp_path / "checkpoint-150"
+    checkpoint.mkdir()
+    (checkpoint / StepPlan.FILE).write_text(json.dumps({"last_step": 190, "max_steps": 1000, "warmup_steps": 12,
+                                                        "holdout_fingerprint": "rows"}))
+    resumed = StepPlan(max_steps=1000, warmup_steps=50, eval_every=100, save_every=250, minutes=60)
+    assert resumed.resume(SimpleNamespace(load_state=lambda folder: None), tmp_path, "rows") == 150
+    assert (resumed.last_step, resumed.latest_end, resumed.warmup_steps) == (190, 190, 12)
     # never past max_steps, however much time is left
     roomy = StepPlan(max_steps=30, warmup_steps=5, eval_every=10, save_every=10, minutes=60, probe_steps=3)
     for step in range(1, 6):
@@ -221,6 +230,7 @@ def test_budgeted_run_ends_early_with_a_complete_artifact_and_resumes_to_its_cut
     checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint-21"
     plan = json.loads((checkpoint / "step_plan.json").read_text())
     assert (plan["last_step"], plan["max_steps"], len(plan["holdout_fingerprint"])) == (21, 200, 16)
+    assert plan["warmup_steps"] == 21 // 10  # the cut's warm-up (5 configured), which a resumed run keeps
     AutoSpeculator.from_pretrained(tmp_path / "run" / "speculator")
     # resuming keeps the cut: nothing left to do
     train(tiny_config(tmp_path, data, max_steps=200, save_every=50), target=target, progress=False)
