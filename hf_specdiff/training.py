@@ -415,8 +415,8 @@ class StepPlan:
     every evaluation step, over the steps since the last timing, and the last step moves to where the budget now
     reaches: earlier when the pace slowed, later (never past `max_steps`) when it quickened, so that a slow start does
     not leave the rest of the budget unused. The learning-rate schedule reads the last step when it is asked, so a cut
-    run still warms up and decays to its end (the warm-up shrinks to a tenth of a cut run if it was longer; a moved cut
-    reshapes the decay from there on). The plan is saved with each checkpoint: a resumed run that a budget cut keeps
+    run still warms up and decays to its end (the warm-up shrinks to a tenth of a cut run if it was longer, and never
+    grows back; a moved cut reshapes the decay from there on). The plan is saved with each checkpoint: a resumed run that a budget cut keeps
     its cut as its end (a run that was not cut may be resumed with a larger max_steps), and with a budget times
     itself again, from the start of that call, and may end sooner.
     The clock starts when the plan is made: at the start of the trainer's call, so loading counts. With several
