@@ -13,7 +13,8 @@ Prints the median ms per forward, its ratio to plain decoding's forward (eager w
 width 1), and so the tau that width - 1 drafts need to break even.
 For a float32 CPU target also the forward as the speculative loop runs it there, its Linear layers in the faster BLAS
 layouts for a few rows (`hf_specdiff/_cpu_linear.py`): (W @ x^T)^T, eager and (with `--compile`) compiled through it,
-and the weights packed by MKL for the width (eager; the packs are made in the warm-up calls).
+and the weights packed by MKL for the width (eager; the packs are made in the warm-up calls), which the loop takes on
+an Intel CPU only: elsewhere MKL's packed products were measured slower than the transposed layout.
 
     python examples/verify_cost.py [--target PATH] [--device cuda] [--dtype bfloat16] [--compile]
 """
@@ -94,14 +95,16 @@ def main():
 
         setups["eager, few-row layout"] = (few_row_layout, dynamic)
 
-        # the loop packs the weights for its verify width; one context per width, as one per `generate` call
-        packed_modes = {w: few_row_linears(target, packed_rows=w) for w in args.widths}
+        # on an Intel CPU the loop packs the weights for its verify width (timed here on any CPU, to compare); one
+        # context per width, as one per `generate` call
+        packed_modes = {w: FewRowLinears(packed_rows=w) for w in args.widths}
 
         def packed_for_width(cache, **kwargs):
             with packed_modes[kwargs["input_ids"].numel()]:
                 return target(**kwargs, **_compat.cache_kwargs(target, cache))
 
-        setups["eager, weights packed for the width"] = (packed_for_width, dynamic)
+        if torch.backends.mkl.is_available():
+            setups["eager, weights packed for the width"] = (packed_for_width, dynamic)
         _cpu_linear.MAX_PACKED_ROW_COUNTS = len(args.widths)  # a pack per width, none dropped between repeats
     if args.compile:
         compiled = target.get_compiled_call(_compat.compile_config_for_all_devices())
@@ -133,6 +136,10 @@ def main():
         base = statistics.median(seconds[plain_setup, 1][2:]) if 1 in args.widths else None
         cells = "  ".join(f"w{w} {1000 * t:6.1f}" + (f" (x{t / base:.2f})" if base else "") for w, t in times.items())
         print(f"{name:<{width}}  {cells}")
+    if "eager, few-row layout" in setups:
+        taken = "weights packed for the width" if _cpu_linear.packing_pays_on_this_cpu() else "few-row layout"
+        vendor = _cpu_linear.cpu_vendor() or "vendor unknown"
+        print(f"the speculative loop's eager verify forwards on this CPU ({vendor}): {taken}")
 
 
 if __name__ == "__main__":

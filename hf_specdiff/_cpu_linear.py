@@ -5,14 +5,14 @@ A Linear multiplies M rows x by a weight W (N x K). `F.linear` computes x @ W^T.
 product with a few rows streams W from memory much more slowly than its single-row (matrix-vector) path: it re-packs
 W into its blocked format on every call. Two remedies, measured side by side:
 
-- **W packed once** (`torch.ops.mkl._mkl_linear`, the path PyTorch's inductor takes for float32 CPU Linears of a fixed
-  row count): MKL packs W for one row count M ahead of time, and each product with M rows reads the packed copy once.
-  A loop knows the width it will call most (a verify forward's rows: the batch times the anchor and drafts; a drafter
-  pass's block), so `FewRowLinears(packed_rows=M)` packs the weights it meets for that M on first use and reuses the
-  packs in every later call, across `generate` calls: they live in a cache keyed weakly by the weight (freed with
-  the model). Each context checks a weight's pack once against the weight's fingerprint (W @ r, one matrix-vector
-  product: about half a plain decoding step per `generate` call, 23 ms on the Intel host) and packs it anew if the
-  weight has changed. A pack costs a copy of the weight in memory for each row count kept (at most
+- **W packed once**, on Intel CPUs (`torch.ops.mkl._mkl_linear`, the path PyTorch's inductor takes for float32 CPU
+  Linears of a fixed row count): MKL packs W for one row count M ahead of time, and each product with M rows reads
+  the packed copy once. A loop knows the width it will call most (a verify forward's rows: the batch times the anchor
+  and drafts; a drafter pass's block), so `FewRowLinears(packed_rows=M)` packs the weights it meets for that M on
+  first use and reuses the packs in every later call, across `generate` calls: they live in a cache keyed weakly by
+  the weight (freed with the model). Each context checks a weight's pack once against the weight's fingerprint (W @ r,
+  one matrix-vector product: about half a plain decoding step per `generate` call, 23 ms on the Intel host) and packs
+  it anew if the weight has changed. A pack costs a copy of the weight in memory for each row count kept (at most
   `MAX_PACKED_ROW_COUNTS` per weight, the least recently used dropped), and packing SmolLM2-135M's 211 Linear weights
   takes about 0.7 s on the 2-core hosts, once per row count.
 - **(W @ x^T)^T**, for other row counts: one pass over W serves every row.
@@ -29,9 +29,9 @@ torch 2.13.0+cpu; 2-core Intel Xeon 2.6 GHz, 2026-12-03, `model_cards/results/sm
                               packed W     4.2     5.3     6.1     5.5     7.0     7.9    11.8
 
 On a 2-core AMD EPYC the same script measured (W@x^T)^T at 26.8 ms for 4 rows' projections against 57.8 for F.linear
-and 41.2 for one row (`model_cards/results/smollm2-135m-cpu/cpu_few_row_layout/linear_cost.txt`; the packed path was
-not measured there). One weight timed alone stays in the cache and hides the difference: the projections are timed as
-a forward meets them, 210 distinct weights in turn.
+and 41.2 for one row (`model_cards/results/smollm2-135m-cpu/cpu_few_row_layout/linear_cost.txt`), and the packed
+path slower than both (below). One weight timed alone stays in the cache and hides the difference: the projections
+are timed as a forward meets them, 210 distinct weights in turn.
 
 The speculator's own read-outs over the whole vocabulary call `linear` (the refiner's and the Markov head's); over a
 draft vocabulary they multiply a transposed copy of its rows instead (`draft_vocab.DraftReadOut`).
@@ -52,6 +52,15 @@ so the same forward called outside the mode, as plain decoding calls it, keeps a
 44.4 ms that way instead of 92.7, against 60.5 ms for plain compiled decoding's single token
 (`python examples/verify_cost.py --compile --widths 1 2 3 4 8 16 --repeats 12`).
 
+**Packs only on Intel CPUs.** MKL's packed products are tuned for Intel's CPUs, not for an instruction set: on a
+2-core AMD EPYC with AVX-512 (2026-12-04, same MKL and torch) they were slower than the transposed layout at every row
+count from 2 to 32 (30 layers' projections, 4 rows: packed 61.9 ms, (W@x^T)^T 28.2, F.linear 49.9; 16 rows: 69.0,
+43.9, 57.3), and a verify forward of 4 tokens took 95.6 ms with the weights packed, 59.1 in the transposed layout and
+59.0 for plain decoding's single token (of 2 tokens 81.0 and 42.7; `verify_cost.txt` there). So `few_row_linears`
+packs only where the CPU's vendor is GenuineIntel and takes the transposed layout elsewhere
+(`model_cards/results/smollm2-135m-cpu/amd_layout/`: xpress with 3 drafts went from 0.90-0.94x to 1.42-1.48x of plain
+generate on that host, eager).
+
 Plain decoding's single row takes BLAS's matrix-vector path either way (`generate` without speculation is left as
 transformers runs it). On CUDA and other devices, for other dtypes, and where gradients are recorded, `linear` is
 `F.linear`.
@@ -60,6 +69,9 @@ transformers runs it). On CUDA and other devices, for other dtypes, and where gr
 from __future__ import annotations
 
 import contextlib
+import functools
+import platform
+import sys
 import threading
 from collections import OrderedDict
 
@@ -182,15 +194,42 @@ class FewRowLinears(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD", ...), or "" where it cannot be told. Linux: /proc/cpuinfo's;
+    Windows names it in `platform.processor()`; every x86 Mac is an Intel one."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    processor = platform.processor()  # e.g. "Intel64 Family 6 Model 85 Stepping 7, GenuineIntel"
+    for vendor in ("GenuineIntel", "AuthenticAMD"):
+        if vendor in processor:
+            return vendor
+    return "GenuineIntel" if sys.platform == "darwin" and platform.machine() == "x86_64" else ""
+
+
+def packing_pays_on_this_cpu() -> bool:
+    """Whether MKL's packed products beat the transposed layout here: on Intel CPUs, where MKL runs its own tuned
+    kernels. Elsewhere (an AMD CPU, one that cannot be told) it was measured slower at every row count (module
+    docstring)."""
+    return cpu_vendor() == "GenuineIntel" and torch.backends.mkl.is_available()
+
+
 def few_row_linears(*models: torch.nn.Module, packed_rows: int | None = None) -> contextlib.AbstractContextManager:
     """A `FewRowLinears(packed_rows)` context where any of the models has float32 weights on the CPU, else one that
-    does nothing (there `linear` is `F.linear`, and the mode would only cost its dispatch). Nothing is packed for a
-    model that accelerate dispatches or offloads: its hooks may hand each forward new weight tensors, each of which
-    would be packed anew."""
+    does nothing (there `linear` is `F.linear`, and the mode would only cost its dispatch). Weights are packed only on
+    an Intel CPU (`packing_pays_on_this_cpu`), and never for a model that accelerate dispatches or offloads: its hooks
+    may hand each forward new weight tensors, each of which would be packed anew."""
     on_cpu_in_float32 = any(
         (p := next(model.parameters(), None)) is not None and p.device.type == "cpu" and p.dtype == torch.float32
         for model in models
     )
-    if any(hasattr(module, "_hf_hook") for model in models for module in model.modules()):
+    if not packing_pays_on_this_cpu() or any(
+        hasattr(module, "_hf_hook") for model in models for module in model.modules()
+    ):
         packed_rows = None
     return FewRowLinears(packed_rows) if on_cpu_in_float32 else contextlib.nullcontext()

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from . import _cpu_linear
 from .batching import until_stop
 from .candidates import synchronize
 
@@ -647,6 +648,8 @@ def _environment(target, config, speculator=None) -> dict:
            "torch": torch.__version__, "transformers": transformers.__version__, "hf_specdiff": __version__,
            "python": platform.python_version(), "target": target.config.name_or_path or type(target).__name__,
            "speed_settings": {name: os.environ[name] for name in SPEED_SETTINGS if name in os.environ}}
+    if device == "cpu":  # the few-row layout the speculative loop takes here (`_cpu_linear.py`)
+        env["cpu_weights_packed"] = _cpu_linear.packing_pays_on_this_cpu()
     if speculator is not None:  # which one (the folder it was loaded from), and how many tokens it drafts from
         env["speculator"] = speculator.drafter.config.name_or_path or None
         env["draft_vocab_size"] = None if speculator.draft_vocab is None else len(speculator.draft_vocab)

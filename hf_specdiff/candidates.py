@@ -337,9 +337,9 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         # With a compile config (the target's decoding forward is compiled too), the draft step after the first and
         # the Jacobi refinement (when every logits processor is position-free) run through torch.compile.
         self.draft_step = compiled(draft_block, compile_config) if compile_config is not None else draft_block
-        # Drafter passes on the CPU run their few rows through the faster BLAS layouts (`_cpu_linear.py`; weights
-        # packed for the batch's blocks of rows), compiled ones included (traced through it). Made by the first pass,
-        # which knows the batch.
+        # Drafter passes on the CPU run their few rows through the faster BLAS layouts (`_cpu_linear.py`; on an Intel
+        # CPU weights packed for the batch's blocks of rows), compiled ones included (traced through it). Made by the
+        # first pass, which knows the batch.
         self.layout: contextlib.AbstractContextManager | None = None
         self.refine_step = compiled(jacobi_refine_unrolled, compile_config) if compile_config is not None else None
 

@@ -217,9 +217,9 @@ def speculative_decoding(
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    # Verify forwards on the CPU run their few rows through the faster BLAS layouts (`_cpu_linear.py`): weights packed
-    # for the full batch's anchors and drafts, the width of nearly every verify forward; a compiled forward called
-    # inside the mode is traced through it (a graph of its own: dynamo guards on the mode stack).
+    # Verify forwards on the CPU run their few rows through the faster BLAS layouts (`_cpu_linear.py`): on an Intel CPU
+    # weights packed for the full batch's anchors and drafts, the width of nearly every verify forward; a compiled
+    # forward called inside the mode is traced through it (a graph of its own: dynamo guards on the mode stack).
     verify_layout = few_row_linears(model, packed_rows=input_ids.shape[0] * (drafter.max_drafts + 1))
     outputs, first = None, True
     while True:

@@ -124,6 +124,16 @@ def test_environment_records_the_settings_that_change_speed(monkeypatch, smollm)
     assert speed_settings_note({}) == ""  # results written before the settings were recorded
 
 
+def test_environment_records_whether_the_cpu_loop_packs_its_weights(monkeypatch, smollm):
+    # the same bench is twice as fast on one CPU as on another depending on this choice (`_cpu_linear.py`)
+    from hf_specdiff import _cpu_linear
+
+    for vendor in ("GenuineIntel", "AuthenticAMD"):
+        monkeypatch.setattr(_cpu_linear, "cpu_vendor", lambda: vendor)
+        packed = vendor == "GenuineIntel" and torch.backends.mkl.is_available()
+        assert _environment(smollm[0], BenchConfig(device="cpu"))["cpu_weights_packed"] is packed
+
+
 def test_sampled_bench_checks_losslessness_by_log_probability(tmp_path, smollm):
     target, tokenizer, speculator = smollm
     config = BenchConfig(prompts=str(_two_prompts(tmp_path)), limit=0, max_new_tokens=12, jacobi_passes=[1, 4],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,7 +170,45 @@ def test_the_mode_only_where_a_model_has_float32_cpu_weights():
     assert isinstance(few_row_linears(torch.nn.Identity()), contextlib.nullcontext)  # no weights at all
 
 
-def test_packs_only_where_asked_and_never_for_a_model_accelerate_hooks():
+@pytest.fixture
+def intel_cpu(monkeypatch):
+    """The loop packs weights as it does on an Intel CPU, whatever CPU runs the test."""
+    monkeypatch.setattr(_cpu_linear, "cpu_vendor", lambda: "GenuineIntel")
+
+
+@pytest.fixture(params=["GenuineIntel", "AuthenticAMD"])
+def cpu(request, monkeypatch) -> str:
+    """The layout the loop takes on an Intel CPU, where it packs its weights (where this PyTorch has MKL), and on
+    another, where it takes the transposed layout; whatever CPU runs the test."""
+    monkeypatch.setattr(_cpu_linear, "cpu_vendor", lambda: request.param)
+    return "packed" if request.param == "GenuineIntel" and torch.backends.mkl.is_available() else "transposed"
+
+
+def test_the_cpu_vendor_is_read_where_the_os_names_it():
+    _cpu_linear.cpu_vendor.cache_clear()
+    vendor = _cpu_linear.cpu_vendor()
+    cpuinfo = Path("/proc/cpuinfo")
+    vendors = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+               if line.startswith("vendor_id")] if cpuinfo.exists() else []
+    if vendors:  # x86 Linux
+        assert vendor == vendors[0] and vendor
+    assert _cpu_linear.packing_pays_on_this_cpu() is (vendor == "GenuineIntel" and torch.backends.mkl.is_available())
+
+
+@needs_mkl
+def test_weights_are_packed_on_an_intel_cpu_only(monkeypatch):
+    """MKL's packed products were measured slower than the transposed layout on an AMD CPU at every row count."""
+    model = torch.nn.Linear(2, 2)
+    for vendor, packs in [("GenuineIntel", True), ("AuthenticAMD", False), ("", False)]:  # "": could not be told
+        monkeypatch.setattr(_cpu_linear, "cpu_vendor", lambda: vendor)
+        assert _cpu_linear.packing_pays_on_this_cpu() is packs
+        mode = few_row_linears(model, packed_rows=4)
+        assert isinstance(mode, FewRowLinears)  # the transposed layout everywhere
+        assert (mode.packs is not None) is packs
+
+
+@needs_mkl
+def test_packs_only_where_asked_and_never_for_a_model_accelerate_hooks(intel_cpu):
     from accelerate.hooks import ModelHook, add_hook_to_module
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
@@ -187,12 +226,8 @@ def target_weights(target) -> set[int]:
     }
 
 
-# what the verify forwards and the drafter's blocks take: their row counts are the packed ones
-expected_layout = "packed" if torch.backends.mkl.is_available() else "transposed"
-
-
 @pytest.mark.parametrize("method", ["dflash", "xpress", "markov"])
-def test_float32_greedy_output_equals_plain_greedy_with_the_few_row_layout(method, monkeypatch):
+def test_float32_greedy_output_equals_plain_greedy_with_the_few_row_layout(method, monkeypatch, cpu):
     target = make_target(vocab_size=VOCAB, hidden_size=HIDDEN, dtype=torch.float32)
     speculator = make_speculator(target).to(torch.float32)
     prompt = torch.tensor([[1, 5, 9, 13]])
@@ -202,7 +237,7 @@ def test_float32_greedy_output_equals_plain_greedy_with_the_few_row_layout(metho
     ours = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=speculator, speculation=method)
     assert torch.equal(ours, plain)
     drafter_weights = {id(p) for p in speculator.drafter.parameters()}
-    taken = {id(weight) for weight, taken in calls if taken == expected_layout}
+    taken = {id(weight) for weight, taken in calls if taken == cpu}
     assert target_weights(target) <= taken  # every projection and the read-out of the verify forwards
     assert taken & drafter_weights  # and the drafter's
     assert torch._C._len_torch_function_stack() == 0
@@ -211,7 +246,7 @@ def test_float32_greedy_output_equals_plain_greedy_with_the_few_row_layout(metho
 @pytest.mark.parametrize("method", ["dflash", "xpress"])
 @pytest.mark.parametrize("num_draft_tokens", [None, 3])
 def test_batched_greedy_output_equals_plain_batched_greedy_with_the_few_row_layout(method, num_draft_tokens,
-                                                                                   monkeypatch):
+                                                                                   monkeypatch, cpu):
     target = make_successor_target(dtype=torch.float32, vocab_size=VOCAB)
     speculator = make_speculator(target, oracle=True).to(torch.float32)
     prompts = torch.tensor([[0, 0, 1, 5, 9], [2, 3, 4, 7, 8], [0, 0, 0, 6, 11]])
@@ -222,7 +257,7 @@ def test_batched_greedy_output_equals_plain_batched_greedy_with_the_few_row_layo
     ours = target.generate(prompts, attention_mask=mask, max_new_tokens=30, do_sample=False, assistant_model=speculator,
                            speculation=method, num_draft_tokens=num_draft_tokens)
     assert torch.equal(ours, plain)
-    assert any(weight is target.lm_head.weight and taken == expected_layout for weight, taken in calls)
+    assert any(weight is target.lm_head.weight and taken == cpu for weight, taken in calls)
 
 
 def offset_target(target):
@@ -237,7 +272,7 @@ def offset_target(target):
     return target
 
 
-def test_a_target_that_post_processes_its_logits_keeps_doing_so_in_the_few_row_layout(monkeypatch):
+def test_a_target_that_post_processes_its_logits_keeps_doing_so_in_the_few_row_layout(monkeypatch, cpu):
     target = offset_target(make_target(vocab_size=VOCAB, hidden_size=HIDDEN, dtype=torch.float32))
     speculator = make_speculator(target).to(torch.float32)
     prompt = torch.tensor([[1, 5, 9, 13]])
@@ -246,7 +281,7 @@ def test_a_target_that_post_processes_its_logits_keeps_doing_so_in_the_few_row_l
     calls = recorded_linears(monkeypatch)
     ours = target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=speculator, speculation="dflash")
     assert torch.equal(ours, plain)
-    assert any(weight is target.lm_head.weight and taken == expected_layout for weight, taken in calls)
+    assert any(weight is target.lm_head.weight and taken == cpu for weight, taken in calls)
 
 
 def read_out_rows_rolled(target, monkeypatch) -> None:
