@@ -177,7 +177,7 @@ def intel_cpu(monkeypatch):
 
 
 @pytest.fixture(params=["GenuineIntel", "AuthenticAMD"])
-def cpu(request, monkeypatch) -> str:
+def loop_layout(request, monkeypatch) -> str:
     """The layout the loop takes on an Intel CPU, where it packs its weights (where this PyTorch has MKL), and on
     another, where it takes the transposed layout; whatever CPU runs the test."""
     monkeypatch.setattr(_cpu_linear, "cpu_vendor", lambda: request.param)
@@ -227,7 +227,7 @@ def target_weights(target) -> set[int]:
 
 
 @pytest.mark.parametrize("method", ["dflash", "xpress", "markov"])
-def test_float32_greedy_output_equals_plain_greedy_with_the_few_row_layout(method, monkeypatch, cpu):
+def test_float32_greedy_output_equals_plain_greedy_with_the_few_row_layout(method, monkeypatch, loop_layout):
     target = make_target(vocab_size=VOCAB, hidden_size=HIDDEN, dtype=torch.float32)
     speculator = make_speculator(target).to(torch.float32)
     prompt = torch.tensor([[1, 5, 9, 13]])
@@ -237,7 +237,7 @@ def test_float32_greedy_output_equals_plain_greedy_with_the_few_row_layout(metho
     ours = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=speculator, speculation=method)
     assert torch.equal(ours, plain)
     drafter_weights = {id(p) for p in speculator.drafter.parameters()}
-    taken = {id(weight) for weight, taken in calls if taken == cpu}
+    taken = {id(weight) for weight, taken in calls if taken == loop_layout}
     assert target_weights(target) <= taken  # every projection and the read-out of the verify forwards
     assert taken & drafter_weights  # and the drafter's
     assert torch._C._len_torch_function_stack() == 0
@@ -246,7 +246,7 @@ def test_float32_greedy_output_equals_plain_greedy_with_the_few_row_layout(metho
 @pytest.mark.parametrize("method", ["dflash", "xpress"])
 @pytest.mark.parametrize("num_draft_tokens", [None, 3])
 def test_batched_greedy_output_equals_plain_batched_greedy_with_the_few_row_layout(method, num_draft_tokens,
-                                                                                   monkeypatch, cpu):
+                                                                                   monkeypatch, loop_layout):
     target = make_successor_target(dtype=torch.float32, vocab_size=VOCAB)
     speculator = make_speculator(target, oracle=True).to(torch.float32)
     prompts = torch.tensor([[0, 0, 1, 5, 9], [2, 3, 4, 7, 8], [0, 0, 0, 6, 11]])
@@ -257,7 +257,7 @@ def test_batched_greedy_output_equals_plain_batched_greedy_with_the_few_row_layo
     ours = target.generate(prompts, attention_mask=mask, max_new_tokens=30, do_sample=False, assistant_model=speculator,
                            speculation=method, num_draft_tokens=num_draft_tokens)
     assert torch.equal(ours, plain)
-    assert any(weight is target.lm_head.weight and taken == cpu for weight, taken in calls)
+    assert any(weight is target.lm_head.weight and taken == loop_layout for weight, taken in calls)
 
 
 def offset_target(target):
@@ -272,7 +272,7 @@ def offset_target(target):
     return target
 
 
-def test_a_target_that_post_processes_its_logits_keeps_doing_so_in_the_few_row_layout(monkeypatch, cpu):
+def test_a_target_that_post_processes_its_logits_keeps_doing_so_in_the_few_row_layout(monkeypatch, loop_layout):
     target = offset_target(make_target(vocab_size=VOCAB, hidden_size=HIDDEN, dtype=torch.float32))
     speculator = make_speculator(target).to(torch.float32)
     prompt = torch.tensor([[1, 5, 9, 13]])
@@ -281,7 +281,7 @@ def test_a_target_that_post_processes_its_logits_keeps_doing_so_in_the_few_row_l
     calls = recorded_linears(monkeypatch)
     ours = target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=speculator, speculation="dflash")
     assert torch.equal(ours, plain)
-    assert any(weight is target.lm_head.weight and taken == cpu for weight, taken in calls)
+    assert any(weight is target.lm_head.weight and taken == loop_layout for weight, taken in calls)
 
 
 def read_out_rows_rolled(target, monkeypatch) -> None:
