@@ -194,17 +194,24 @@ class FewRowLinears(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def cpuinfo_field(key: str) -> str:
+    """The first value of `key` in Linux's /proc/cpuinfo ("model name", "vendor_id"), or "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 @functools.cache
 def cpu_vendor() -> str:
     """The CPU's vendor id ("GenuineIntel", "AuthenticAMD", ...), or "" where it cannot be told. Linux: /proc/cpuinfo's;
     Windows names it in `platform.processor()`; every x86 Mac is an Intel one."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    if vendor := cpuinfo_field("vendor_id"):
+        return vendor
     processor = platform.processor()  # e.g. "Intel64 Family 6 Model 85 Stepping 7, GenuineIntel"
     for vendor in ("GenuineIntel", "AuthenticAMD"):
         if vendor in processor:

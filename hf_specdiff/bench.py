@@ -614,14 +614,7 @@ def cpu_name() -> str:
     """The CPU's model name: CPU figures depend on it (the BLAS paths a few-row forward takes differ between an AMD
     EPYC and an Intel Xeon host). Linux: /proc/cpuinfo's; elsewhere what `platform` knows (often only the
     architecture)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpu_linear.cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 # Environment variables that change how fast a run goes (not what it generates), recorded with its figures:
