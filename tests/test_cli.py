@@ -168,3 +168,24 @@ def test_demo_streams_the_answer_and_finds_all_three_outputs_identical(capsys):
     assert "(cpu, torch.float32, 3 drafts per block" in out
     answer = out[out.index(DEMO_PROMPT) + len(DEMO_PROMPT) : out.index("method ")]
     assert len(answer.split()) > 10  # the streamed answer (24 tokens), between the prompt and the table
+
+
+def test_demo_tells_a_floating_point_near_tie_from_a_mismatch():
+    """The demo's "identical to plain greedy" cell: yes; a near-tie where plain generate's own top two logits are
+    within rounding of each other (a verify forward over several tokens may round to the other one); NO otherwise."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hf_specdiff.bench import _lossless_check
+    from hf_specdiff.cli import identical_verdict
+
+    prompt = [7, 8]
+    scores = [torch.tensor([[0.0, 16.444538, 16.444536, 3.0]]), torch.tensor([[0.0, 1.0, 9.0, 2.0]])]
+    plain = SimpleNamespace(sequences=torch.tensor([prompt + [1, 2]]), scores=scores)
+    check = lambda tokens: _lossless_check(plain, SimpleNamespace(sequences=torch.tensor([prompt + tokens])),
+                                           len(prompt), tolerance=1e-3)
+    assert identical_verdict(check([1, 2])) == "yes"
+    assert identical_verdict(check([2, 2])) == "near-tie at token 1 (logits 1.9e-06 apart)"
+    assert identical_verdict(check([1, 3])) == "NO"  # 9.0 against 2.0: the target never chose 3
+    assert identical_verdict(check([1])) == "NO"  # stopped early with the same tokens: no tie explains it
