@@ -144,9 +144,9 @@ def demo(prompt: str, max_new_tokens: int, speculator_path: str | None, device: 
     print(f"({device}, {target.dtype}, {drafts} drafts per block (--num-draft-tokens); tau = tokens per target "
           "forward, bonus token included)")
     if any(check["mismatch"] and not check["unexplained_mismatch"] for *_, check in rows):
-        print("near-tie: there the target's top two logits are equal up to floating-point rounding, which a verify forward\n"
-              "over several tokens does in another order than plain decoding's one-token forward: either token is the\n"
-              "target's greedy choice, and what follows is the target's greedy continuation of it.")
+        print("near-tie: there the target's top two logits are equal up to floating-point rounding, which a verify "
+              "forward\nover several tokens does in another order than plain decoding's one-token forward: either "
+              "token is the\ntarget's greedy choice, and what follows is the target's greedy continuation of it.")
 
 
 def identical_verdict(check: dict) -> str:
