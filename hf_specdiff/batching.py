@@ -14,6 +14,10 @@ chosen because nothing is ever recomputed and every verify forward stays one blo
   compacted: each row's kept slots are gathered to the right, in order, left-padded to the longest row.
 - A finished row leaves the batch: its cache rows, hidden states and state are index-selected away, so it costs
   nothing more. Its output is padded as plain batched `generate` pads finished rows.
+- Sliding-window layers (Gemma 2 / 3, Mistral): transformers measures a window in cache slots, which holes would
+  stretch, and its sliding cache layers drop the slots past one window, which a row behind the others still needs.
+  So such a target gets a cache that keeps every slot in every layer, and verify forwards with holes get explicit
+  4D masks (`windowed_masks`) whose windows count each row's own tokens, as they would for the row alone.
 
 With one row, or rows that always accept alike, there are no holes: no mask is built and the cache is cropped
 exactly as in single-sequence speculative decoding.
@@ -48,6 +52,24 @@ def last_tokens(sequence: torch.LongTensor, lengths: list[int] | None, n: int) -
     return sequence.gather(1, index)
 
 
+def windowed_masks(key_mask: torch.Tensor, query_positions: torch.LongTensor, attention_windows: dict[str, int | None],
+                   dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Additive 4D masks (b, 1, n, keys) for a verify forward over a cache with holes: a query at position p sees its
+    row's keys at positions q with p - window < q <= p (transformers' sliding window, counted in the row's tokens
+    rather than in cache slots; no window: q <= p). `key_mask` (b, keys) marks the row's own keys, the queries' among
+    them; `query_positions` (b, n). One mask per layer type (a dict, as transformers' models take them), or the mask
+    alone for a model with one layer type."""
+    key_positions = key_mask.cumsum(-1) - 1  # a row's own keys are in order, so the count before one is its position
+    offset = query_positions[:, :, None] - key_positions[:, None, :]  # (b, n, keys)
+    visible = key_mask.bool()[:, None, :] & (offset >= 0)
+    blocked = torch.finfo(dtype).min
+    masks = {}
+    for layer_type, window in attention_windows.items():
+        seen = visible if window is None else visible & (offset < window)
+        masks[layer_type] = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, blocked)[:, None]
+    return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
 class RowBatch:
     """Rows of a speculative decode, from the left-padded prompts to the padded output.
 
@@ -60,8 +82,11 @@ class RowBatch:
     ends at the last row's first stop.
     """
 
-    def __init__(self, input_ids: torch.LongTensor, attention_mask, generation_config, pad_after_stop: bool):
+    def __init__(self, input_ids: torch.LongTensor, attention_mask, generation_config, pad_after_stop: bool,
+                 attention_windows: dict[str, int | None] | None = None, mask_dtype: torch.dtype = torch.float32):
         batch, width = input_ids.shape
+        # {layer type: its window, None for full attention} when the target has sliding-window layers, else None
+        self.attention_windows, self.mask_dtype = attention_windows, mask_dtype
         self.batch_size, self.prompt_width = batch, width
         self.max_new_tokens = generation_config.max_length - width
         self.pad_after_stop = pad_after_stop
@@ -100,7 +125,10 @@ class RowBatch:
         if self.cache_mask is None:  # no holes: every row has `slots` tokens
             return fed, (self.slots + steps)[None], None
         positions = torch.tensor(self.valid, device=device)[:, None] + steps
-        return fed, positions, torch.cat([self.cache_mask, self.cache_mask.new_ones(fed.shape)], dim=1)
+        key_mask = torch.cat([self.cache_mask, self.cache_mask.new_ones(fed.shape)], dim=1)
+        if self.attention_windows is None:
+            return fed, positions, key_mask
+        return fed, positions, windowed_masks(key_mask, positions, self.attention_windows, self.mask_dtype)
 
     def new_tokens(self, candidate_ids: torch.LongTensor) -> torch.LongTensor:
         """The candidates the drafter appended to each row: (b, n)."""

@@ -109,6 +109,20 @@ def spread_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
     return [round(first + i * (last - first) / (num_features - 1)) for i in range(num_features)]
 
 
+def full_attention_rope_parameters(text_config) -> dict:
+    """The target's RoPE settings for the drafter, whose attention is full. Targets that mix sliding and full layers
+    (Gemma 3) keep one set per layer type; the drafter takes the full-attention set, the one its long contexts need."""
+    rope = dict(getattr(text_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+    if "rope_type" not in rope and isinstance(rope.get("full_attention"), dict):
+        rope = dict(rope["full_attention"])
+    if "rope_type" not in rope:
+        raise ValueError(
+            f"The target's rope_parameters {rope} name no `rope_type` (and no `full_attention` set): pass a target "
+            "whose config follows transformers' RoPE layout, or build the DFlashConfig yourself."
+        )
+    return rope
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

@@ -196,12 +196,15 @@ def speculative_decoding(
     # plain decoding's forward (by its own rule: cuda / xpu / neuron / tpu, or `compile_config._compile_all_devices`;
     # never with `disable_compile`), the verify forward, the draft step and the Jacobi refinement all compiled.
     static = generation_config.cache_implementation == "static"
+    # a batch on a target with sliding-window layers: windows counted per row, over a cache with every slot (batching.py)
+    attention_windows = _attention_windows(model.config.get_text_config()) if input_ids.shape[0] > 1 else None
     if static:
         room = _compat.static_cache_length(model, generation_config) + block_size
         cache = _compat.reused_static_cache(model, model.config.get_text_config(decoder=True), room)
     else:
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-        cache = DynamicCache() if cache is None else cache
+        if cache is None or attention_windows is not None:  # (the given one is checked empty) windows counted per
+            cache = DynamicCache()  # row need every slot kept: full layers throughout, whatever the model's config
         if hasattr(cache, "activate_past_recording"):  # sliding-window layers: keep what a roll-back needs, as
             cache.activate_past_recording()  # transformers' assisted decoding does (older versions keep it anyway)
     compiled = static and _compat.forward_compiled(model, generation_config, cache)
@@ -213,7 +216,8 @@ def speculative_decoding(
         num_draft_tokens=num_draft_tokens,
     )
     has_eos_criterion = any(hasattr(c, "eos_token_id") for c in stopping_criteria)  # as plain `generate` decides
-    rows = RowBatch(input_ids, model_kwargs.get("attention_mask"), generation_config, pad_after_stop=has_eos_criterion)
+    rows = RowBatch(input_ids, model_kwargs.get("attention_mask"), generation_config, pad_after_stop=has_eos_criterion,
+                    attention_windows=attention_windows, mask_dtype=model.dtype)
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
@@ -404,11 +408,19 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                 f"speculation=... streams a single sequence; got {batch} with a streamer. Drop "
                 "`streamer` or generate row by row."
             )
-        other_attention = sorted(_attention_types(model.config.get_text_config()) - {"full_attention"})
+        text_config = model.config.get_text_config()
+        other_attention = sorted(_attention_types(text_config) - {"full_attention", "sliding_attention"})
         if other_attention:
             raise ValueError(
-                f"speculation=... with a batch needs full-attention layers; this model also has {other_attention} "
-                "layers, whose windows would count the rows' rejected draft slots. Generate row by row."
+                f"speculation=... with a batch handles full and sliding-window attention; this model also has "
+                f"{other_attention} layers. Generate row by row."
+            )
+        implementation = getattr(text_config, "_attn_implementation", None)
+        if "sliding_attention" in _attention_types(text_config) and implementation not in ("eager", "sdpa"):
+            raise ValueError(
+                f"speculation=... with a batch gives a sliding-window model's layers their own 4D masks, which "
+                f"attn_implementation={implementation!r} does not take. Load the model with "
+                "attn_implementation='sdpa' (or 'eager'), or generate row by row."
             )
         if any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in logits_processor or []):
             raise ValueError(
@@ -441,6 +453,14 @@ def _check_decoding_mode(generation_config) -> None:
             "speculation=... needs a cache that can be rolled back; cache_implementation="
             f"{generation_config.cache_implementation!r} cannot. Use the default dynamic cache, or 'static' (batch 1)."
         )
+
+
+def _attention_windows(config) -> dict[str, int | None] | None:
+    """{layer type: its window (None for full attention)} for a model with sliding-window layers; None without."""
+    types = _attention_types(config)
+    if "sliding_attention" not in types:
+        return None
+    return {kind: config.sliding_window if kind == "sliding_attention" else None for kind in sorted(types)}
 
 
 def _attention_types(config) -> set[str]:

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ._hub import check_folder_or_repo_id
-from .dflash import DFlashConfig, DFlashDraftModel, embedding_sample, spread_layer_ids
+from .dflash import DFlashConfig, DFlashDraftModel, embedding_sample, full_attention_rope_parameters, spread_layer_ids
 from .draft_vocab import check_draft_vocab
 from .markov import MarkovConfig, MarkovHead
 from .xpress import XPressConfig, XPressRefiner
@@ -404,7 +404,7 @@ class AutoSpeculator:
             head_dim=head_dim,
             hidden_act=getattr(text, "hidden_act", "silu"),
             rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-            rope_parameters=dict(getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
+            rope_parameters=full_attention_rope_parameters(text),
             max_position_embeddings=getattr(text, "max_position_embeddings", 32768),
             vocab_size=vocab_size,
             block_size=block_size,

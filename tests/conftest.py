@@ -17,14 +17,16 @@ from hf_specdiff import AutoSpeculator
 VOCAB = 64
 
 
-def make_target(vocab_size=VOCAB, hidden_size=64, num_layers=3, dtype=torch.float64, seed=0, eos_token_id=None):
+def make_target(vocab_size=VOCAB, hidden_size=64, num_layers=3, dtype=torch.float64, seed=0, eos_token_id=None,
+                config_class=LlamaConfig, model_class=LlamaForCausalLM, **config_fields):
+    """A Llama by default; another family (its module names as Llama's) with `config_class` and `model_class`."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        bos_token_id=0, eos_token_id=eos_token_id, pad_token_id=0, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=eos_token_id, pad_token_id=0, tie_word_embeddings=False, **config_fields,
     )
-    return LlamaForCausalLM(config).to(dtype).eval()
+    return model_class(config).to(dtype).eval()
 
 
 def successor(vocab_size: int) -> torch.Tensor:

@@ -61,6 +61,37 @@ def test_sliding_window_target_past_its_window(method):
         assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=12 + 5 * i)
 
 
+# Families users bring, each with what sets it apart from Llama: Qwen3 (q/k norms), Phi3 (fused projections), Gemma 2
+# (logit soft-capping, sliding layers), Gemma 3 (RoPE set per layer type), OLMo 2 (post-norms), GPT-NeoX (parallel
+# residual, partial rotary, no grouped-query attention).
+TARGET_FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+}
+
+
+@pytest.mark.parametrize("family", TARGET_FAMILIES)
+def test_greedy_equals_plain_across_target_families(family):
+    """`AutoSpeculator.from_target` builds a drafter for each family, and every method stays lossless on it."""
+    import transformers
+
+    config_name, model_name, extra = TARGET_FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, bos_token_id=0, pad_token_id=0, eos_token_id=None, tie_word_embeddings=False, **extra,
+    )
+    target = hf_specdiff.enable(getattr(transformers, model_name)(config).double().eval())
+    speculator = make_speculator(target)
+    for i, prompt in prompts(count=3, seed=2):
+        for method in METHODS:
+            assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=10 + 6 * i)
+
+
 @pytest.mark.parametrize("method", ["xpress", "markov"])
 def test_greedy_equals_plain_when_drafts_are_accepted(method):
     """Oracle add-ons on a successor target: long accepted runs, partial blocks, bonus tokens, cache roll-back."""
