@@ -66,7 +66,8 @@ def windowed_masks(key_mask: torch.Tensor, query_positions: torch.LongTensor, at
     masks = {}
     for layer_type, window in attention_windows.items():
         seen = visible if window is None else visible & (offset < window)
-        masks[layer_type] = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, blocked)[:, None]
+        additive = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, blocked)
+        masks[layer_type] = additive[:, None]  # (b, 1, n, keys): one mask for all heads
     return masks if len(masks) > 1 else next(iter(masks.values()))
 
 

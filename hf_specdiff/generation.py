@@ -196,7 +196,7 @@ def speculative_decoding(
     # plain decoding's forward (by its own rule: cuda / xpu / neuron / tpu, or `compile_config._compile_all_devices`;
     # never with `disable_compile`), the verify forward, the draft step and the Jacobi refinement all compiled.
     static = generation_config.cache_implementation == "static"
-    # a batch on a target with sliding-window layers: windows counted per row, over a cache with every slot (batching.py)
+    # a batch on a target with sliding-window layers: windows counted per row, over a cache keeping every slot
     attention_windows = _attention_windows(model.config.get_text_config()) if input_ids.shape[0] > 1 else None
     if static:
         room = _compat.static_cache_length(model, generation_config) + block_size

@@ -75,8 +75,8 @@ def assert_rows_exact(target, speculator, method, prompts, check_row_stats=True,
 # layer type; RoPE per layer type). The window (5) is shorter than a block, so holes fall inside windows.
 SLIDING_TARGETS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 5}),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 5, "head_dim": 16, "sliding_window_pattern": 2,
-                                                         "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               {"sliding_window": 5, "head_dim": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
 }
 
 
