@@ -167,3 +167,37 @@ def test_diffusion_bench_defaults_to_the_shipped_diffusion_lm():
     result = run_diffusion_bench(config, progress=False)
     assert result["config"]["target"] == str(hf_specdiff.default_diffusion_lm_path()) and config.target is None
     assert result["summary"]["steps"]["nfe"] <= 32
+
+
+def test_sliding_window_batch_of_real_chats(smollm, monkeypatch):
+    """The embedded target's weights in a Mistral with a 64-token sliding window (Mistral is Llama plus the window):
+    a real model, still coherent, whose windows the chats (34 to 96 tokens) and their answers outgrow. A left-padded batch of three chats with the shipped
+    speculator, whose rows accept runs of different lengths (holes inside the windows), gives plain batched greedy's
+    answers, row by row (up to float32 near-ties, as above)."""
+    import hf_specdiff.batching
+    from transformers import MistralConfig, MistralForCausalLM
+
+    target, tokenizer, _ = smollm
+    fields = {k: v for k, v in target.config.to_dict().items() if k not in ("architectures", "model_type")}
+    windowed = MistralForCausalLM(MistralConfig(**{**fields, "sliding_window": 64})).eval()
+    windowed.load_state_dict(target.state_dict())
+    windowed.generation_config = target.generation_config
+    hf_specdiff.enable(windowed)
+    shipped = AutoSpeculator.from_pretrained(hf_specdiff.default_speculator_path()).to(target.dtype)
+    masked = []
+    original = hf_specdiff.batching.windowed_masks
+    monkeypatch.setattr(hf_specdiff.batching, "windowed_masks", lambda *a: masked.append(1) or original(*a))
+
+    tokenizer.padding_side = "left"
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in [*questions(2), "Name three colours."]]
+    inputs = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
+    kwargs = dict(do_sample=False, max_new_tokens=40, return_dict_in_generate=True, output_scores=True)
+    plain = windowed.generate(**inputs, **kwargs)
+    spec = windowed.generate(**inputs, assistant_model=shipped, speculation="xpress", **kwargs)
+    assert masked, "no verify forward had holes: the windowed masks went untested"
+    assert spec.speculation.tau > 1.2
+    width = inputs["input_ids"].shape[1]
+    for row in range(len(chats)):
+        row_plain = type(plain)(sequences=plain.sequences[row : row + 1], scores=[s[row : row + 1] for s in plain.scores])
+        assert_greedy_equivalent(row_plain, type(spec)(sequences=spec.sequences[row : row + 1]), width)
