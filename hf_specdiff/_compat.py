@@ -12,12 +12,18 @@ registry of this project's machines has no such `kernels`, so 5.25 was tested in
 - `GenerateDecoderOnlyOutput` names its cache field `past_key_values` in 5.17 and `cache` in 5.24.
 - `Cache.crop(n)` with n < 0 removes |n| tokens in both; a positive n (old meaning: final length) is deprecated in
   5.17 and raises in 5.24, so we only ever pass negative counts.
-- `StaticCache(config=, max_cache_len=)` builds one `StaticLayer` per layer in both; a layer keeps its filled length in
+- `StaticCache(config=, max_cache_len=)` builds one `StaticLayer` per full-attention layer (a ring-buffer
+  `StaticSlidingWindowLayer` per sliding one, which `new_static_cache` swaps for a `StaticLayer`; a cache layer's
+  `is_sliding` is what `create_sliding_window_causal_mask` sizes its mask by, the first sliding layer's else layer
+  0's) in both; a layer keeps its filled length in
   a 0-d tensor `cumulative_length` (so that compiled forwards do not specialise on it) and `update` writes there.
   5.24's `StaticLayer.crop(-n)` only lowers that tensor (the next write overwrites the stale slots); 5.17's
   `StaticLayer` has no `crop`, so `crop_cache` lowers it itself, in both versions.
 - `StaticCache.reset()` zeroes its tensors and `cumulative_length` in place, keeping their addresses (both), as
   `generate` does to reuse `model._cache`; the speculative loop reuses its static caches the same way.
+- A 4D attention mask (or a dict of them by layer type, in the models with several layer types) is used as given:
+  `masking_utils._preprocess_mask_arguments` returns it unchanged (both). Batched speculation on a sliding-window
+  target passes its own there, over a `DynamicCache()`, which without a config makes full `DynamicLayer`s (both).
 - `DynamicCache.layers[i]` holds `keys` / `values` tensors (batch, kv_heads, slots, head_dim) in both (a layer not
   filled yet has none); batched speculation gathers slots per row there (`gather_cache_slots`).
 - The native dFlash candidate generator reads `hidden_states[i]` for each of the drafter's `target_layer_ids` in
@@ -43,6 +49,7 @@ import weakref
 import transformers
 from packaging.version import Version
 from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 MIN_TRANSFORMERS = Version("5.17.0")
 MAX_TRANSFORMERS_EXCLUSIVE = Version("5.26.0")
@@ -119,8 +126,13 @@ def compile_config_for_all_devices():
 
 
 def new_static_cache(config, max_cache_len: int) -> StaticCache:
-    """An empty static cache for a model with this config (tensors allocated at the first write)."""
-    return StaticCache(config=config, max_cache_len=max_cache_len)
+    """An empty static cache for a model with this config (tensors allocated at the first write), every layer a full
+    `StaticLayer`: a sliding-window layer's ring buffer overwrites slots that a roll-back would need again. Windows
+    still hold: transformers' masks apply them, counting cache slots, which at batch size 1 are positions."""
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    cache.layers = [StaticLayer(max_cache_len=max_cache_len) if getattr(layer, "is_sliding", False) else layer
+                    for layer in cache.layers]
+    return cache
 
 
 # owner module -> ((length, dtype, device), its static cache); weak: a cache lives no longer than its model

@@ -83,7 +83,7 @@ def test_harmless_values_of_refused_options_pass(target, speculator):
         assert torch.equal(generate(target, speculator, do_sample=False, **kwargs), plain), kwargs
 
 
-def test_static_cache_limits(target, speculator):
+def test_static_cache_limits(target, speculator, monkeypatch):
     batch = torch.cat([PROMPT, PROMPT])
     with pytest.raises(ValueError, match="decodes one sequence"):
         target.generate(batch, assistant_model=speculator, speculation="xpress", cache_implementation="static",
@@ -91,8 +91,9 @@ def test_static_cache_limits(target, speculator):
     cache = StaticCache(config=target.config, max_cache_len=64)
     with pytest.raises(ValueError, match="cache_implementation='static' instead"):
         generate(target, speculator, past_key_values=cache)
-    target.config.sliding_window = 8  # as Mistral-style configs declare sliding-window attention
-    with pytest.raises(ValueError, match="static windows cannot be rolled back"):
+    # layer types as a Llama 4 declares them: chunked attention is neither full nor a sliding window
+    monkeypatch.setattr(hf_specdiff.generation, "_attention_types", lambda config: {"chunked_attention"})
+    with pytest.raises(ValueError, match=r"full and sliding-window attention; this model also has \['chunked_"):
         generate(target, speculator, cache_implementation="static")
 
 

@@ -133,6 +133,59 @@ def test_static_cache_greedy_equals_plain_and_dynamic(method):
         assert getattr(dynamic, field).get_seq_length() == plain.shape[1] - 1
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_static_cache_on_a_sliding_window_target(family):
+    """A window (5) shorter than a block: the static cache keeps every slot in every layer (a roll-back needs the
+    slots a ring buffer would overwrite) and transformers' masks apply the windows; plain greedy's tokens, and the
+    dynamic loop's accepted lengths."""
+    import transformers
+    from test_batched import SLIDING_TARGETS
+
+    config_name, model_name, fields = SLIDING_TARGETS[family]
+    target = hf_specdiff.enable(make_successor_target(
+        config_class=getattr(transformers, config_name), model_class=getattr(transformers, model_name),
+        num_layers=len(fields.get("layer_types", [None] * 3)), **fields,
+    ))
+    speculator = make_speculator(target, oracle=True)
+    taus = []
+    for i, prompt in prompts(8, seed=3):
+        budget = dict(max_new_tokens=12 + 5 * (i % 4))
+        plain = target.generate(prompt, do_sample=False, **budget)
+        dynamic = run(target, speculator, "xpress", prompt, **budget)
+        static = run(target, speculator, "xpress", prompt, cache_implementation="static", **budget)
+        assert torch.equal(static.sequences, plain)
+        assert static.speculation.accepted_lengths == dynamic.speculation.accepted_lengths
+        taus.append(static.speculation.tau)
+    assert sum(taus) / len(taus) > 1.5, "the oracle should get runs accepted across the windows"
+    field = _compat.generate_output_cache_field()
+    assert not any(getattr(static, field).is_sliding)
+
+
+@pytest.mark.slow
+def test_compiled_static_decoding_on_a_sliding_window_target():
+    """Gemma 3 (sliding and full layers, window 5) through torch.compile: plain greedy's tokens, no recompile for a
+    prompt of another length."""
+    require_cpu_compiler()
+    import transformers
+    from test_batched import SLIDING_TARGETS
+
+    config_name, model_name, fields = SLIDING_TARGETS["gemma3"]
+    target = hf_specdiff.enable(make_successor_target(
+        dtype=torch.float32, config_class=getattr(transformers, config_name),
+        model_class=getattr(transformers, model_name), num_layers=len(fields["layer_types"]), **fields,
+    ))
+    speculator = make_speculator(target, oracle=True).to(dtype=torch.float32)
+    compile_kwargs = dict(cache_implementation="static", max_cache_len=96,
+                          compile_config=_compat.compile_config_for_all_devices())
+    torch._dynamo.reset()
+    for i, (_, prompt) in enumerate(prompts(2, seed=2)):  # 25 and 2 tokens
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=40)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            compiled = run(target, speculator, "xpress", prompt, max_new_tokens=40, **compile_kwargs)
+        assert torch.equal(compiled.sequences, plain)
+        assert compiled.speculation.tau > 2.0
+
+
 def test_static_caches_are_reused_across_calls_and_emptied():
     """A second call reuses the target's and the drafter's static caches (a compiled forward under CUDA graphs reads
     them at fixed addresses), emptied: it decodes what a fresh cache decodes. Another dtype gets new ones."""
