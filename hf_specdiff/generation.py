@@ -567,9 +567,12 @@ def enable(model):
         model.generate = types.MethodType(diffusion_lm_generate, model)
         return model
     if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
+        # a PEFT wrapper's generate calls its base model's, so enabling that one serves the wrapper too
+        hint = (" Enable the model it wraps: hf_specdiff.enable(model.get_base_model()), then call the wrapper's "
+                "generate as before." if callable(getattr(model, "get_base_model", None)) else "")
         raise TypeError(
             f"hf_specdiff.enable expects a transformers causal LM (PreTrainedModel with generate), got "
-            f"{type(model).__name__}."
+            f"{type(model).__name__}.{hint}"
         )
     if model.config.is_encoder_decoder:
         raise ValueError("hf_specdiff speculative decoding supports decoder-only targets; this model is encoder-decoder.")

@@ -374,7 +374,8 @@ class AutoSpeculator:
         with_markov_head: bool = True,
         seed: int | None = None,
     ) -> Speculator:
-        """A randomly initialised speculator whose shapes fit `target` (a Llama / Qwen2 / Qwen3 style causal LM).
+        """A randomly initialised speculator whose shapes fit `target`, a decoder-only causal LM whose config has
+        Llama's geometry fields (Llama, Mistral, Qwen, Phi-3, Gemma, OLMo, GPT-NeoX, ...).
 
         The drafter copies the target's attention geometry and RoPE; `target_layer_ids` default to
         `num_draft_layers` layers spread over the target's depth, as in the published drafters. `mask_token_id`

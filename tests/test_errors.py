@@ -194,6 +194,22 @@ def test_enable_rejects_what_it_cannot_serve():
         hf_specdiff.enable(make_target().model)  # the decoder without its language-model head
 
 
+def test_a_peft_wrapped_target_is_enabled_through_its_base_model():
+    """A LoRA-tuned target: enabling the wrapper says to enable the base model; done so, the wrapper's own generate
+    speculates, and its output is the wrapper's plain greedy output (LoRA included)."""
+    from peft import LoraConfig, get_peft_model
+
+    wrapped = get_peft_model(make_target(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                       init_lora_weights=False)).eval()
+    with pytest.raises(TypeError, match=r"hf_specdiff.enable\(model.get_base_model\(\)\)"):
+        hf_specdiff.enable(wrapped)
+    plain = wrapped.generate(input_ids=PROMPT, max_new_tokens=12, do_sample=False)
+    base = hf_specdiff.enable(wrapped.get_base_model())
+    out = wrapped.generate(input_ids=PROMPT, max_new_tokens=12, do_sample=False, assistant_model=make_speculator(base),
+                           speculation="xpress", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain) and out.speculation.target_forwards > 1
+
+
 def test_from_target_rejects_unsupported_architectures():
     from transformers import GPT2Config, GPT2LMHeadModel
 
