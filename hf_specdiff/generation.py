@@ -381,9 +381,14 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
             "speculation=... does not return attentions or hidden states; set output_attentions=False and "
             "output_hidden_states=False."
         )
-    unsupported = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _HANDLED_MODEL_KWARGS)
+    # an empty dict is no input: transformers (5.25) hands a vision-language target `mm_encoder_outputs={}` when the
+    # prompt has no image, and the loop then runs it as the text model it is
+    unsupported = sorted(k for k, v in model_kwargs.items()
+                         if v is not None and not (isinstance(v, dict) and not v) and k not in _HANDLED_MODEL_KWARGS)
     if unsupported:
         hint = " (pass the prompt as input_ids instead)" if "inputs_embeds" in unsupported else ""
+        if {"pixel_values", "mm_encoder_outputs"} & set(unsupported):
+            hint = " (speculation reads text prompts; generate with images without it)"
         raise ValueError(f"speculation=... does not support the model inputs {unsupported}; remove them{hint}.")
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):

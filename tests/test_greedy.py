@@ -92,6 +92,39 @@ def test_greedy_equals_plain_across_target_families(family):
             assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=10 + 6 * i)
 
 
+def test_a_vision_language_target_speculates_on_text_prompts():
+    """Gemma 3 from 4B up is a vision-language model: on text prompts it speculates like its text model (batch 1
+    dynamic and static, and a padded batch); a prompt with an image is refused with what to do."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=5, pad_token_id=0, bos_token_id=2, eos_token_id=None,
+                layer_types=["sliding_attention", "full_attention"] * 2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                          boi_token_index=297, eoi_token_index=298)
+    target = hf_specdiff.enable(Gemma3ForConditionalGeneration(config).double().eval())
+    speculator = hf_specdiff.AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2, seed=1)
+    generator = torch.Generator().manual_seed(0)
+    for i in range(3):
+        prompt = torch.randint(3, 290, (1, 6 + 3 * i), generator=generator)
+        for method in METHODS:
+            assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=15)
+        assert_same_as_plain(target, speculator, "xpress", prompt, {"cache_implementation": "static"}, max_new_tokens=15)
+    batch = torch.randint(3, 290, (2, 8), generator=generator)
+    mask = torch.ones_like(batch)
+    batch[0, :3], mask[0, :3] = 0, 0
+    plain = target.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=15)
+    out = target.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=15, assistant_model=speculator,
+                          speculation="xpress")
+    assert torch.equal(out, plain)
+    with pytest.raises(ValueError, match="generate with images without it"):
+        target.generate(prompt, pixel_values=torch.randn(1, 3, 28, 28, dtype=torch.float64), max_new_tokens=5,
+                        assistant_model=speculator, speculation="xpress")
+
+
 @pytest.mark.parametrize("method", ["xpress", "markov"])
 def test_greedy_equals_plain_when_drafts_are_accepted(method):
     """Oracle add-ons on a successor target: long accepted runs, partial blocks, bonus tokens, cache roll-back."""
