@@ -385,8 +385,8 @@ class AutoSpeculator:
         for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"):
             if getattr(text, field, None) is None:
                 raise ValueError(
-                    f"{type(target).__name__} has no `{field}` in its config: hf_specdiff drafts for Llama / Qwen2 / "
-                    "Qwen3 style decoder-only models."
+                    f"{type(target).__name__} has no `{field}` in its config: hf_specdiff drafts for decoder-only "
+                    "models with Llama's geometry fields (Llama, Mistral, Qwen, Gemma, Phi-3, OLMo, GPT-NeoX, ...)."
                 )
         vocab_size = target.get_input_embeddings().weight.shape[0]
         if target_layer_ids is None:

@@ -214,7 +214,7 @@ def test_from_target_rejects_unsupported_architectures():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     target = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match="Llama / Qwen2 / Qwen3"):
+    with pytest.raises(ValueError, match="decoder-only models with Llama's geometry fields"):
         AutoSpeculator.from_target(target)
 
 
