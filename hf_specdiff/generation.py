@@ -414,14 +414,14 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                 "`streamer` or generate row by row."
             )
         text_config = model.config.get_text_config()
-        other_attention = sorted(_attention_types(text_config) - {"full_attention", "sliding_attention"})
-        if other_attention:
+        attention_types = _attention_types(text_config)
+        if other_attention := sorted(attention_types - {"full_attention", "sliding_attention"}):
             raise ValueError(
                 f"speculation=... with a batch handles full and sliding-window attention; this model also has "
                 f"{other_attention} layers. Generate row by row."
             )
         implementation = getattr(text_config, "_attn_implementation", None)
-        if "sliding_attention" in _attention_types(text_config) and implementation not in ("eager", "sdpa"):
+        if "sliding_attention" in attention_types and implementation not in ("eager", "sdpa"):
             raise ValueError(
                 f"speculation=... with a batch gives a sliding-window model's layers their own 4D masks, which "
                 f"attn_implementation={implementation!r} does not take. Load the model with "
