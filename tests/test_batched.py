@@ -105,8 +105,6 @@ def test_sliding_window_rows_equal_row_by_row(family, attention, record_drafts, 
     assert sum(taus) / len(taus) > 1.5, "the oracle should get runs of different lengths accepted"
 
 
-
-
 @pytest.fixture
 def record_drafts(monkeypatch):
     """Checks that a row drafts the same block, from the same draft logits q, in a batch as alone: collects
