@@ -347,9 +347,6 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
             f"speculation=... cannot be combined with beam search (num_beams={generation_config.num_beams}); "
             "use num_beams=1."
         )
-    for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "assistant_ensemble_weight"):
-        if getattr(generation_config, name, None):
-            raise ValueError(f"speculation=... replaces transformers' assisted decoding; remove `{name}`.")
     _check_decoding_mode(generation_config)
     # The loop scores every draft position, rejected drafts included, and scores a position again after a rejection:
     # a processor must be a function of (input_ids, scores). transformers' processors that keep state across calls
@@ -434,6 +431,22 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
             )
 
 
+# transformers' assisted decoding and its knobs (prompt lookup, a draft model's schedule, early exit, MTP), none of
+# which the loop reads: refused rather than ignored. Checked on what the call and the model's generation config set,
+# before `generate` fills its global defaults (num_assistant_tokens=20, ...) into the config the loop receives.
+_ASSISTED_DECODING_OPTIONS = (
+    "prompt_lookup_num_tokens", "max_matching_ngram_size", "num_assistant_tokens", "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "assistant_early_exit", "use_mtp",
+    "assistant_ensemble_weight",
+)
+
+
+def _check_not_assisted(generation_config) -> None:
+    for name in _ASSISTED_DECODING_OPTIONS:
+        if getattr(generation_config, name, None) not in (None, False):
+            hint = " (num_draft_tokens= sets how many drafts a step verifies)" if "assistant_tokens" in name else ""
+            raise ValueError(f"speculation=... replaces transformers' assisted decoding; remove `{name}`{hint}.")
+
 # Decoding modes the loop would silently replace by greedy / sampling (stateful processors: `_STATEFUL_PROCESSORS`).
 _UNSUPPORTED_MODES = {
     "penalty_alpha": "contrastive search",
@@ -511,6 +524,11 @@ def _speculative_generate(model, *args, speculation=None, assistant_model=None, 
         raise ValueError("speculation=... does not support synced_gpus (FSDP / ZeRO-3 generation); set it to False.")
     if kwargs.get("custom_generate") is not None:
         raise ValueError("`speculation` already supplies the decoding loop; remove `custom_generate`.")
+    if kwargs.get("assistant_tokenizer") is not None:
+        raise ValueError(
+            "speculation=... drafts in the target's own vocabulary; remove `assistant_tokenizer` (it is for "
+            "transformers' assisted decoding with a draft model of another tokenizer)."
+        )
     if num_jacobi_passes is not None and (speculation != "xpress" or num_jacobi_passes < 1):
         raise ValueError(
             f"num_jacobi_passes={num_jacobi_passes} applies to speculation='xpress' only and must be >= 1."
@@ -524,9 +542,10 @@ def _speculative_generate(model, *args, speculation=None, assistant_model=None, 
     # before `generate` starts: it heals tokens (token_healing) and builds the cache (an offloaded one already fails
     # on some machines) before it hands over to the loop
     generation_config = copy.copy(kwargs.get("generation_config") or model.generation_config)
-    for name in (*_UNSUPPORTED_MODES, "top_k", "cache_implementation"):  # kwargs override the config, as in generate
-        if name in kwargs:
+    for name in (*_UNSUPPORTED_MODES, *_ASSISTED_DECODING_OPTIONS, "top_k", "cache_implementation"):
+        if name in kwargs:  # kwargs override the config, as in generate
             setattr(generation_config, name, kwargs[name])
+    _check_not_assisted(generation_config)
     _check_decoding_mode(generation_config)
 
     # Stop strings need the tokenizer, which transformers does not hand to a custom decoding loop: build the

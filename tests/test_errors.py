@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import make_speculator, make_target
-from transformers import GenerationMixin, LlamaForCausalLM, StaticCache, SynthIDTextWatermarkingConfig
+from transformers import GenerationConfig, GenerationMixin, LlamaForCausalLM, StaticCache, SynthIDTextWatermarkingConfig
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specdiff
@@ -49,6 +49,13 @@ def generate(target, speculator, **kwargs):
         (dict(num_draft_tokens=0), "offers 1 to 7 drafts"),
         (dict(num_draft_tokens=8), "offers 1 to 7 drafts"),
         (dict(prompt_lookup_num_tokens=3), "remove `prompt_lookup_num_tokens`"),
+        # transformers' assisted-decoding knobs do nothing here: refused, not ignored
+        (dict(num_assistant_tokens=5), "remove `num_assistant_tokens` \\(num_draft_tokens= sets"),
+        (dict(assistant_confidence_threshold=0.5), "assisted decoding; remove `assistant_confidence_threshold`"),
+        (dict(max_matching_ngram_size=3), "remove `max_matching_ngram_size`"),
+        (dict(generation_config=GenerationConfig(num_assistant_tokens_schedule="heuristic")),
+         "remove `num_assistant_tokens_schedule`"),
+        (dict(assistant_tokenizer=object()), "own vocabulary; remove `assistant_tokenizer`"),
         (dict(synced_gpus=True), "synced_gpus"),
         (dict(penalty_alpha=0.6, top_k=4), "contrastive search; remove `penalty_alpha`"),
         (dict(dola_layers="high"), "DoLa decoding"),
@@ -237,6 +244,9 @@ def test_enable_is_per_model_and_reversible():
     assert torch.equal(enabled.generate(PROMPT, do_sample=False, max_new_tokens=5), plain)
     hf_specdiff.disable(enabled)
     assert not hf_specdiff.is_enabled(enabled) and "generate" not in vars(enabled)
+    # what README tells a user who forgot enable(): transformers' own generate names the argument it does not take
+    with pytest.raises(ValueError, match=r"not used by the model: \['speculation'\]"):
+        enabled.generate(PROMPT, assistant_model=make_speculator(enabled), speculation="xpress", max_new_tokens=5)
 
 
 def test_speculation_state_is_not_parked_on_the_model(target, speculator):
