@@ -300,8 +300,8 @@ def export_speculator(args) -> None:
     import torch
 
     from .embedded import is_embedded_folder
-    from .model_card import (default_template, load_train_config, load_train_log, log_of_saved_weights,
-                             render_model_card, write_model_card)
+    from .model_card import (default_template, load_target_lines, load_train_config, load_train_log,
+                             log_of_saved_weights, render_model_card, write_model_card)
     from .speculator import AutoSpeculator
     from .training import SAVED_STEP_FILE
 
@@ -311,7 +311,8 @@ def export_speculator(args) -> None:
         raise SystemExit(f"--earlier-training describes the run an init_speculator came from; {args.run} did not "
                          "start from one: drop it.")
     target = train_config.get("target")
-    base_model = _card_base_model(args, target, target is None or is_embedded_folder(target))
+    embedded = target is None or is_embedded_folder(target)
+    base_model = _card_base_model(args, target, embedded)
     card_license = _card_license(args, base_model)
     text = _card_text(args, base_model)
     measured = _bench_table(args.bench_json, "speculator") or "Not benchmarked yet."
@@ -324,7 +325,8 @@ def export_speculator(args) -> None:
     title = args.title or SPECULATOR_TITLE.format(name=base_model.split("/")[-1],
                                                   block_size=speculator.drafter.config.block_size)
     card = render_model_card(args.template or default_template("speculator.md"), speculator, train_config, {
-        "title": title, "base_model": base_model, "license": card_license, **text,
+        "title": title, "base_model": base_model, "load_target": load_target_lines(base_model, embedded),
+        "license": card_license, **text,
         "train_steps": f"{log[-1]['step'] if log else 0:,}",
         "holdout_estimate": f"{estimate} (step {last_eval.get('step', '-')})", "measured": measured,
         "bench_json": args.bench_json, "bench_command": args.bench_command, "limitations": args.limitations,

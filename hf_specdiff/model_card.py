@@ -32,16 +32,27 @@ def _limitations(facts: dict, default: str) -> str:
     return default.format(measured=measured, base_model=facts["base_model"])
 
 
+def load_target_lines(base_model: str, embedded: bool) -> str:
+    """The card's usage lines that load the target: the embedded copy for a speculator trained on it (the weights it
+    was trained with, offline), else the base model from the Hub."""
+    if embedded:
+        return "target, tokenizer = hf_specdiff.load_default_target()  # the embedded copy it was trained with"
+    return (f"from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            f'target = AutoModelForCausalLM.from_pretrained("{base_model}")\n'
+            f'tokenizer = AutoTokenizer.from_pretrained("{base_model}")')
+
+
 def _parameters(module) -> str:
     count = sum(p.numel() for p in module.parameters())
     return f"{count / 1e6:.2f}M"
 
 
 def render_model_card(template: str | Path, speculator, train_config: dict, facts: dict) -> str:
-    """Fill the template. `facts` supplies what only the caller knows: title, base_model, license, data_description,
-    train_hardware, train_steps, holdout_estimate, measured (Markdown), bench_json (the bench quoted, if any),
-    bench_command, limitations (empty: `SPECULATOR_LIMITATIONS`), storage_dtype, and `earlier_training` (what a
-    continued run's starting speculator went through; may be empty)."""
+    """Fill the template. `facts` supplies what only the caller knows: title, base_model, load_target (the usage
+    lines that load it: `load_target_lines`), license, data_description, train_hardware, train_steps,
+    holdout_estimate, measured (Markdown), bench_json (the bench quoted, if any), bench_command, limitations (empty:
+    `SPECULATOR_LIMITATIONS`), storage_dtype, and `earlier_training` (what a continued run's starting speculator went
+    through; may be empty)."""
     drafter = speculator.drafter.config
     values = {
         "block_size": drafter.block_size,

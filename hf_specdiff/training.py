@@ -590,7 +590,10 @@ def write_run_config(output_dir: Path, config) -> Path:
 def split_holdout(sequences: list, config: TrainConfig) -> tuple[list, list]:
     """(held-out rows, training rows): a seeded shuffle, then the first `holdout_sequences` rows are kept out."""
     if len(sequences) <= config.holdout_sequences:
-        raise ValueError(f"Only {len(sequences)} usable rows: need more than holdout_sequences={config.holdout_sequences}.")
+        raise ValueError(
+            f"Only {len(sequences)} usable rows: need more than holdout_sequences={config.holdout_sequences}. Distill "
+            "answers to more prompts (`hf-specdiff distill --limit`), or hold out fewer rows (--holdout-sequences)."
+        )
     sequences = list(sequences)
     random.Random(config.seed if config.holdout_seed is None else config.holdout_seed).shuffle(sequences)
     return sequences[: config.holdout_sequences], sequences[config.holdout_sequences :]

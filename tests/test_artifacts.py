@@ -167,6 +167,8 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
         assert "Draft layer initialised from the target's layer -1." in card
         assert loaded.draft_vocab is None and "| draft vocabulary | none" in card
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card  # the embedded target's Hub id
+    # the usage lines load the weights it was trained with: the embedded copy here, the base model from the Hub below
+    assert "target, tokenizer = hf_specdiff.load_default_target()" in card and "AutoModelForCausalLM" not in card
     assert "license: apache-2.0" in card and "Licence: apache-2.0 (the base model's)" in card  # SmolLM2's licence
     # no --limitations: the section still says what holds for every speculator, never left empty
     assert card_limitations(card).startswith("Acceptance and speed have not been measured yet (see Measured). Prompts")
@@ -184,6 +186,7 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
     assert "base_model: my-org/my-llama" in card and "license: llama3.1" in card
     assert "# my-llama dFlash + xPress speculator (block 8)" in card and "(my answers)" in card
     assert "SmolLM2" not in card and "one GPU" in card
+    assert 'AutoModelForCausalLM.from_pretrained("my-org/my-llama")' in card and "load_default_target" not in card
     # a local folder is no Hub base_model; a bench file that is missing or of the other kind is refused before any
     # file is written
     (run / "train_config.json").write_text(json.dumps({**config.to_dict(), "target": str(tmp_path)}))

@@ -90,6 +90,8 @@ def test_bad_inputs_fail_before_training(tmp_path, target):
     with pytest.raises(ValueError, match="fractional.jsonl:1: .* integer token ids"):
         train(tiny_config(tmp_path, fractional), target=target, progress=False)
     data = write_distill(tmp_path / "distill.jsonl", target, rows=8)
+    with pytest.raises(ValueError, match=r"Only 8 usable rows: .*holdout_sequences=8\. Distill answers to more prompts"):
+        train(tiny_config(tmp_path, data, holdout_sequences=8), target=target, progress=False)
     for options, message in [(dict(holdout_sequences=0), r"holdout_sequences=0 \(must be >= 1"),
                              (dict(eval_every=0, save_every=-1), "eval_every=0 .*save_every=-1"),
                              (dict(block_size=1), "block_size=1"), (dict(mixed_precision="fp8"), "mixed_precision")]:
