@@ -24,6 +24,13 @@ registry of this project's machines has no such `kernels`, so 5.25 was tested in
 - A 4D attention mask (or a dict of them by layer type, in the models with several layer types) is used as given:
   `masking_utils._preprocess_mask_arguments` returns it unchanged (both). Batched speculation on a sliding-window
   target passes its own there, over a `DynamicCache()`, which without a config makes full `DynamicLayer`s (both).
+- Layers with a recurrent state (layer types "linear_attention", "hybrid", "hybrid_sliding": Qwen3.5, Qwen3-Next,
+  Jamba, Bamba, Falcon-H1, Mamba 2, ...) cannot drop a token's K/V: a roll-back needs the state as it was after
+  the last kept token. 5.25's cache layer records it: `activate_past_recording(recurrent_states_to_keep=n)` makes
+  the models run a forward's last n tokens one by one and keep each state, and `crop(-k)` restores the state k tokens
+  back. 5.17 and 5.24 have neither (their crop restores only the conv state), so speculation refuses these targets
+  there (`recurrent_rollback_supported`). Layers of type "conv" (LFM2) keep only a conv state, which every supported
+  version's crop restores.
 - `DynamicCache.layers[i]` holds `keys` / `values` tensors (batch, kv_heads, slots, head_dim) in both (a layer not
   filled yet has none); batched speculation gathers slots per row there (`gather_cache_slots`).
 - The native dFlash candidate generator reads `hidden_states[i]` for each of the drafter's `target_layer_ids` in
@@ -75,15 +82,56 @@ def cache_kwargs(model, cache) -> dict:
     return {_cache_argument(type(model).forward): cache}
 
 
+RECURRENT_LAYER_TYPES = {"linear_attention", "hybrid", "hybrid_sliding"}  # layer types with a recurrent state
+
+
+def recurrent_rollback_supported() -> bool:
+    """Whether this transformers' cache can roll back a recurrent state (5.25: `recurrent_states_to_keep`)."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    parameters = inspect.signature(LinearAttentionCacheLayerMixin.activate_past_recording).parameters
+    return "recurrent_states_to_keep" in parameters
+
+
+def record_past(cache, tokens_per_forward: int) -> None:
+    """Make `cache` keep what a roll-back of up to `tokens_per_forward` tokens of one forward needs: a sliding-window
+    layer its keys past the window, a conv layer its inputs, a recurrent layer (5.25) its state after each token."""
+    if recurrent_rollback_supported():
+        cache.activate_past_recording(recurrent_states_to_keep=tokens_per_forward)
+    else:
+        cache.activate_past_recording()
+
+
+def _check_state_can_roll_back(layer, num_tokens_to_remove: int) -> None:
+    """A model whose layers keep their state outside the cache (RecurrentGemma keeps it on the module), or do not
+    record the recurrent states a roll-back lands on, would keep rejected drafts in its state: refuse it."""
+    states = range(layer.number_of_states)
+    history = getattr(layer, "recurrent_states_history", {})
+    outside = not any(layer.is_conv_states_initialized[i] or layer.is_recurrent_states_initialized[i] for i in states)
+    unrecorded = num_tokens_to_remove > 0 and any(
+        layer.is_recurrent_states_initialized[i] and len(history.get(i) or ()) <= num_tokens_to_remove for i in states
+    )
+    if outside or unrecorded:
+        raise ValueError(
+            "speculation=... cannot roll this model's recurrent layers back past rejected drafts: they keep their "
+            f"state {'outside the cache' if outside else 'without the per-token history a roll-back needs'}. "
+            "Generate without speculation."
+        )
+
+
 def crop_cache(cache, num_tokens_to_remove: int) -> None:
     """Drop the last `num_tokens_to_remove` positions of a transformers cache. Called after every forward, with 0 too:
     sliding-window layers recording their past (`activate_past_recording`) are cut back to their window only by a
     crop (transformers < 5.24 would otherwise hand the next forward more keys than its mask covers)."""
     if num_tokens_to_remove < 0:
         raise ValueError(f"cannot remove a negative number of tokens ({num_tokens_to_remove}).")
+    for layer in cache.layers:
+        if hasattr(layer, "conv_states"):  # a linear-attention / state-space / conv layer
+            _check_state_can_roll_back(layer, num_tokens_to_remove)
     if isinstance(cache, StaticCache):
         for layer in cache.layers:
-            if layer.is_initialized and num_tokens_to_remove:  # the next `update` overwrites the slots past it
+            # the next `update` overwrites the slots past it; a layer reusing another's K/V (Gemma 3n) holds none
+            if layer.is_initialized and num_tokens_to_remove and hasattr(layer, "cumulative_length"):
                 layer.cumulative_length.sub_(num_tokens_to_remove)
         return
     cache.crop(-num_tokens_to_remove)

@@ -212,8 +212,11 @@ class DFlashDraftModel(PreTrainedModel):
 
     def context_features(self, target_hidden_states, num_tokens: int | None = None) -> torch.Tensor:
         """Concatenate the target layers this drafter reads: (b, n, len(layer_ids) * H). `target_hidden_states` is
-        the target's `output_hidden_states` tuple (index 0 = embeddings); `num_tokens` keeps the first n positions."""
-        return torch.cat([target_hidden_states[i + 1][:, :num_tokens] for i in self.config.layer_ids], dim=-1)
+        the target's `output_hidden_states` tuple (index 0 = embeddings); `num_tokens` keeps the first n positions.
+        A target that stacks parallel residual streams in each hidden state (Gemma 3n's AltUp: (streams, b, n, H))
+        is read at its first, the active stream of Gemma 3n's configs (`altup_active_idx` 0)."""
+        layers = [target_hidden_states[i + 1] for i in self.config.layer_ids]
+        return torch.cat([(h[0] if h.dim() == 4 else h)[:, :num_tokens] for h in layers], dim=-1)
 
     def forward(
         self,

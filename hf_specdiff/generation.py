@@ -33,6 +33,7 @@ import types
 from dataclasses import dataclass
 
 import torch
+import transformers
 from transformers import DynamicCache, StaticCache
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
@@ -205,8 +206,6 @@ def speculative_decoding(
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         if cache is None or attention_windows is not None:  # (the given one is checked empty) windows counted per
             cache = DynamicCache()  # row need every slot kept: full layers throughout, whatever the model's config
-        if hasattr(cache, "activate_past_recording"):  # sliding-window layers: keep what a roll-back needs, as
-            cache.activate_past_recording()  # transformers' assisted decoding does (older versions keep it anyway)
     compiled = static and _compat.forward_compiled(model, generation_config, cache)
     verify_forward = model.get_compiled_call(generation_config.compile_config) if compiled else model
     drafter = BlockDiffusionCandidateGenerator(
@@ -215,6 +214,8 @@ def speculative_decoding(
         compile_config=_compat.compile_config(model, generation_config) if compiled else None,
         num_draft_tokens=num_draft_tokens,
     )
+    if not static and hasattr(cache, "activate_past_recording"):  # keep what rolling back a verify forward needs
+        _compat.record_past(cache, tokens_per_forward=drafter.max_drafts + 1)  # (sliding, conv, recurrent layers)
     has_eos_criterion = any(hasattr(c, "eos_token_id") for c in stopping_criteria)  # as plain `generate` decides
     rows = RowBatch(input_ids, model_kwargs.get("attention_mask"), generation_config, pad_after_stop=has_eos_criterion,
                     attention_windows=attention_windows, mask_dtype=model.dtype)
@@ -360,6 +361,14 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                     f"Remove {option} or the processor (plain generate supports it; a WatermarkingConfig watermark "
                     "is stateless and works)."
                 )
+    if recurrent := sorted(_attention_types(model.config.get_text_config()) & _compat.RECURRENT_LAYER_TYPES):
+        if not _compat.recurrent_rollback_supported():
+            raise ValueError(
+                f"speculation=... rolls the target back past rejected drafts, and this model's {recurrent} layers keep "
+                "a recurrent state that transformers rolls back from version 5.25 on (you have "
+                f"{transformers.__version__}). Upgrade transformers (pip install 'transformers>=5.25'), or generate "
+                "without speculation."
+            )
     if generation_config.use_cache is False:
         raise ValueError("speculation=... needs the KV cache; remove use_cache=False.")
     if generation_config.cache_implementation == "static":
@@ -482,9 +491,11 @@ def _attention_windows(config) -> dict[str, int | None] | None:
 
 
 def _attention_types(config) -> set[str]:
-    """The kinds of attention layers a model has ("full_attention", "sliding_attention", ...)."""
+    """The kinds of attention layers a model has ("full_attention", "sliding_attention", "linear_attention", ...)."""
     if layer_types := getattr(config, "layer_types", None):
         return set(layer_types)
+    if block_types := getattr(config, "block_types", None):  # RecurrentGemma before 5.25, which names them there
+        return {"linear_attention" if kind == "recurrent" else "sliding_attention" for kind in block_types}
     return {"sliding_attention"} if getattr(config, "sliding_window", None) else {"full_attention"}
 
 

@@ -396,9 +396,12 @@ class AutoSpeculator:
         if seed is not None:
             torch.manual_seed(seed)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        intermediate_size = text.intermediate_size  # Gemma 3n lists one per layer: the drafter takes the widest
+        if isinstance(intermediate_size, (list, tuple)):
+            intermediate_size = max(intermediate_size)
         drafter_config = DFlashConfig(
             hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
+            intermediate_size=intermediate_size,
             num_hidden_layers=num_draft_layers,
             num_attention_heads=text.num_attention_heads,
             num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,

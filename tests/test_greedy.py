@@ -63,7 +63,8 @@ def test_sliding_window_target_past_its_window(method):
 
 # Families users bring, each with what sets it apart from Llama: Qwen3 (q/k norms), Phi3 (fused projections), Gemma 2
 # (logit soft-capping, sliding layers), Gemma 3 (RoPE set per layer type), OLMo 2 (post-norms), GPT-NeoX (parallel
-# residual, partial rotary, no grouped-query attention).
+# residual, partial rotary, no grouped-query attention), Gemma 3n (an MLP width per layer, hidden states stacking its
+# AltUp streams, layers reusing another layer's K/V).
 TARGET_FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
@@ -71,12 +72,17 @@ TARGET_FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {  # per-layer MLP widths, AltUp streams, shared K/V
+        "head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+        "num_kv_shared_layers": 1, "laurel_rank": 8, "altup_num_inputs": 2, "activation_sparsity_pattern": [0.0] * 3,
+        "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB}),
 }
 
 
 @pytest.mark.parametrize("family", TARGET_FAMILIES)
 def test_greedy_equals_plain_across_target_families(family):
-    """`AutoSpeculator.from_target` builds a drafter for each family, and every method stays lossless on it."""
+    """`AutoSpeculator.from_target` builds a drafter for each family, and every method stays lossless on it, with the
+    static cache too."""
     import transformers
 
     config_name, model_name, extra = TARGET_FAMILIES[family]
@@ -90,6 +96,9 @@ def test_greedy_equals_plain_across_target_families(family):
     for i, prompt in prompts(count=3, seed=2):
         for method in METHODS:
             assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=10 + 6 * i)
+        if i == 0:
+            assert_same_as_plain(target, speculator, "xpress", prompt, {"cache_implementation": "static"},
+                                 max_new_tokens=10)
 
 
 def test_a_vision_language_target_speculates_on_text_prompts():
@@ -123,6 +132,92 @@ def test_a_vision_language_target_speculates_on_text_prompts():
     with pytest.raises(ValueError, match="generate with images without it"):
         target.generate(prompt, pixel_values=torch.randn(1, 3, 28, 28, dtype=torch.float64), max_new_tokens=5,
                         assistant_model=speculator, speculation="xpress")
+
+
+# Targets whose layers keep a state instead of (or beside) per-token K/V: Qwen3.5's gated-delta-net linear attention,
+# Bamba's Mamba 2 mixer (recurrent states), LFM2's short convolutions (a conv state only). Weights drawn 10x wider
+# than the default, so that a state left holding rejected drafts changes the greedy tokens.
+STATE_FAMILIES = {
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        layer_types=["linear_attention", "full_attention", "linear_attention"], head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)),
+    "bamba": ("BambaConfig", "BambaForCausalLM", dict(
+        attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1)),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(layer_types=["conv", "full_attention", "conv"])),
+}
+
+
+def replay_drafts(monkeypatch, continuation, seed=0):
+    """Drafts that are plain greedy's own next tokens (`continuation`, the whole greedy sequence), each block wrong
+    from a random slot on (or not at all): every accepted length occurs, so the target is rolled back by every
+    depth from none to a whole block."""
+    from hf_specdiff.candidates import BlockDiffusionCandidateGenerator
+
+    original = BlockDiffusionCandidateGenerator.get_candidates
+    generator = torch.Generator().manual_seed(seed)
+
+    def replaying(self, input_ids, *args, **kwargs):
+        candidate_ids, q = original(self, input_ids, *args, **kwargs)
+        start, end = input_ids.shape[1], min(candidate_ids.shape[1], continuation.shape[1])
+        if q is not None and end > start:
+            drafts = continuation[:, start:end].clone()
+            wrong_from = int(torch.randint(0, drafts.shape[1] + 1, (1,), generator=generator))
+            drafts[:, wrong_from:] = (drafts[:, wrong_from:] + 1) % VOCAB
+            candidate_ids[:, start:end] = drafts
+        return candidate_ids, q
+
+    monkeypatch.setattr(BlockDiffusionCandidateGenerator, "get_candidates", replaying)
+
+
+@pytest.mark.parametrize("family", STATE_FAMILIES)
+def test_targets_with_recurrent_or_conv_state_roll_it_back(family, monkeypatch):
+    """A rejected draft must leave no trace in a layer's recurrent or conv state: transformers 5.25 restores the state
+    a roll-back lands on (what the loop asks it to record); older versions cannot for a recurrent state, and such a
+    target is refused there, before any work. Batches and static caches are refused for these layers."""
+    import transformers
+
+    from hf_specdiff import _compat
+
+    config_name, model_name, extra = STATE_FAMILIES[family]
+    target = hf_specdiff.enable(make_target(
+        dtype=torch.float32, initializer_range=0.2, config_class=getattr(transformers, config_name),
+        model_class=getattr(transformers, model_name), **extra,
+    ))
+    speculator = make_speculator(target)
+    if family != "lfm2" and not _compat.recurrent_rollback_supported():
+        with pytest.raises(ValueError, match="rolls back from version 5.25 on .*Upgrade transformers"):
+            target.generate(torch.tensor([[5, 9, 2]]), max_new_tokens=5, assistant_model=speculator,
+                            speculation="xpress")
+        return
+    accepted = set()
+    for i, prompt in prompts(count=3, seed=3):
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=30)
+        with monkeypatch.context() as patch:
+            replay_drafts(patch, plain, seed=i)
+            for method in METHODS:
+                stats = assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=30)
+                accepted.update(stats.accepted_lengths)
+    assert len(accepted) >= 5, f"roll-backs of too few depths: accepted lengths {sorted(accepted)}"
+    batch = torch.tensor([[0, 5, 9], [4, 7, 1]])
+    with pytest.raises(ValueError, match="with a batch handles full and sliding-window attention"):
+        target.generate(batch, attention_mask=batch.ne(0).long(), max_new_tokens=5, assistant_model=speculator,
+                        speculation="xpress")
+    with pytest.raises(ValueError, match="with cache_implementation='static' handles full and sliding-window"):
+        target.generate(batch[1:], max_new_tokens=5, assistant_model=speculator, speculation="xpress",
+                        cache_implementation="static")
+
+
+def test_a_target_keeping_its_state_outside_the_cache_is_refused():
+    """RecurrentGemma keeps its recurrent state on the module, where no roll-back reaches it: refused."""
+    from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
+
+    config = RecurrentGemmaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, lru_width=64, attention_window_size=16,
+                                  block_types=["recurrent", "attention"], pad_token_id=0, bos_token_id=0)
+    target = hf_specdiff.enable(RecurrentGemmaForCausalLM(config).eval())
+    speculator = make_speculator(target)
+    with pytest.raises(ValueError, match="keep their state outside the cache|rolls back from version 5.25 on"):
+        target.generate(torch.tensor([[5, 9, 2]]), max_new_tokens=5, assistant_model=speculator, speculation="xpress")
 
 
 @pytest.mark.parametrize("method", ["xpress", "markov"])
