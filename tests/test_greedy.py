@@ -180,7 +180,7 @@ def test_targets_with_recurrent_or_conv_state_roll_it_back(family, monkeypatch):
 
     config_name, model_name, extra = STATE_FAMILIES[family]
     target = hf_specdiff.enable(make_target(
-        dtype=torch.float32, initializer_range=0.2, config_class=getattr(transformers, config_name),
+        initializer_range=0.2, config_class=getattr(transformers, config_name),
         model_class=getattr(transformers, model_name), **extra,
     ))
     speculator = make_speculator(target)
