@@ -82,6 +82,14 @@ def cache_kwargs(model, cache) -> dict:
     return {_cache_argument(type(model).forward): cache}
 
 
+def generation_defaults() -> dict:
+    """The values `generate` fills into every generation config it prepares where the model's config leaves them
+    unset (`GenerationConfig._get_default_generation_params`: num_assistant_tokens=20, ...; 5.17 to 5.25)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig._get_default_generation_params()
+
+
 RECURRENT_LAYER_TYPES = {"linear_attention", "hybrid", "hybrid_sliding"}  # layer types with a recurrent state
 
 

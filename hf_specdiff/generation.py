@@ -441,8 +441,9 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
 
 
 # transformers' assisted decoding and its knobs (prompt lookup, a draft model's schedule, early exit, MTP), none of
-# which the loop reads: refused rather than ignored. Checked on what the call and the model's generation config set,
-# before `generate` fills its global defaults (num_assistant_tokens=20, ...) into the config the loop receives.
+# which the loop reads: refused rather than ignored. Checked before `generate` fills its global defaults
+# (num_assistant_tokens=20, ...) into the config the loop receives; a config that already holds them (a pipeline's,
+# prepared by transformers) passes where it holds only the defaults, while an argument of the call never does.
 _ASSISTED_DECODING_OPTIONS = (
     "prompt_lookup_num_tokens", "max_matching_ngram_size", "num_assistant_tokens", "num_assistant_tokens_schedule",
     "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "assistant_early_exit", "use_mtp",
@@ -450,11 +451,15 @@ _ASSISTED_DECODING_OPTIONS = (
 )
 
 
-def _check_not_assisted(generation_config) -> None:
+def _check_not_assisted(generation_config, call_arguments: dict) -> None:
+    defaults = _compat.generation_defaults()
     for name in _ASSISTED_DECODING_OPTIONS:
-        if getattr(generation_config, name, None) not in (None, False):
-            hint = " (num_draft_tokens= sets how many drafts a step verifies)" if "assistant_tokens" in name else ""
-            raise ValueError(f"speculation=... replaces transformers' assisted decoding; remove `{name}`{hint}.")
+        value = call_arguments[name] if name in call_arguments else getattr(generation_config, name, None)
+        if value in (None, False) or (name not in call_arguments and value == defaults.get(name)):
+            continue
+        hint = " (num_draft_tokens= sets how many drafts a step verifies)" if "assistant_tokens" in name else ""
+        raise ValueError(f"speculation=... replaces transformers' assisted decoding; remove `{name}`{hint}.")
+
 
 # Decoding modes the loop would silently replace by greedy / sampling (stateful processors: `_STATEFUL_PROCESSORS`).
 _UNSUPPORTED_MODES = {
@@ -553,10 +558,10 @@ def _speculative_generate(model, *args, speculation=None, assistant_model=None, 
     # before `generate` starts: it heals tokens (token_healing) and builds the cache (an offloaded one already fails
     # on some machines) before it hands over to the loop
     generation_config = copy.copy(kwargs.get("generation_config") or model.generation_config)
-    for name in (*_UNSUPPORTED_MODES, *_ASSISTED_DECODING_OPTIONS, "top_k", "cache_implementation"):
-        if name in kwargs:  # kwargs override the config, as in generate
+    for name in (*_UNSUPPORTED_MODES, "top_k", "cache_implementation"):  # kwargs override the config, as in generate
+        if name in kwargs:
             setattr(generation_config, name, kwargs[name])
-    _check_not_assisted(generation_config)
+    _check_not_assisted(generation_config, kwargs)
     _check_decoding_mode(generation_config)
 
     # Stop strings need the tokenizer, which transformers does not hand to a custom decoding loop: build the

@@ -84,9 +84,13 @@ def test_stateful_processors_passed_by_the_user_are_refused(target, speculator):
 
 
 def test_harmless_values_of_refused_options_pass(target, speculator):
-    """guidance_scale=1 is no guidance, and penalty_alpha without top_k > 1 is not contrastive search."""
+    """guidance_scale=1 is no guidance, and penalty_alpha without top_k > 1 is not contrastive search. A generation
+    config that transformers already filled with its defaults (num_assistant_tokens=20, ...; a pipeline passes such
+    a one) asks for no assisted decoding."""
     plain = target.generate(PROMPT, max_new_tokens=5, do_sample=False)
-    for kwargs in (dict(guidance_scale=1.0), dict(penalty_alpha=0.6, top_k=1)):
+    prepared, _ = target._prepare_generation_config(GenerationConfig(do_sample=False, max_new_tokens=5))
+    assert prepared.num_assistant_tokens is not None
+    for kwargs in (dict(guidance_scale=1.0), dict(penalty_alpha=0.6, top_k=1), dict(generation_config=prepared)):
         assert torch.equal(generate(target, speculator, do_sample=False, **kwargs), plain), kwargs
 
 
