@@ -31,6 +31,14 @@ registry of this project's machines has no such `kernels`, so 5.25 was tested in
   back. 5.17 and 5.24 have neither (their crop restores only the conv state), so speculation refuses these targets
   there (`recurrent_rollback_supported`). Layers of type "conv" (LFM2) keep only a conv state, which every supported
   version's crop restores.
+- Those layers' cache layer (`LinearAttentionCacheLayerMixin`, all three versions) keeps, per state index i,
+  `conv_states[i]` (batch, ..., inputs): while recording, every input since the last crop after the `conv_kernel_size[i]`
+  before; and `recurrent_states[i]` (batch, ...), with, in 5.25, `recurrent_states_history[i]`: the states before
+  each of the forward's recorded tokens. A crop moves every row back alike; a batch's rows kept different numbers
+  of tokens, so `roll_back_rows` puts each row's state back itself. Such a layer has no `batch_select_indices`
+  (5.17 to 5.25; a layer holding both a state and K/V selects only its K/V): `select_cache_rows` selects the states.
+  5.25 counts the layer's tokens in a 0-d `cumulative_length_linear`, which `get_seq_length()` reads when layer 0 is
+  such a layer (5.17 / 5.24 read the first attention layer's length).
 - `DynamicCache.layers[i]` holds `keys` / `values` tensors (batch, kv_heads, slots, head_dim) in both (a layer not
   filled yet has none); batched speculation gathers slots per row there (`gather_cache_slots`).
 - The native dFlash candidate generator reads `hidden_states[i]` for each of the drafter's `target_layer_ids` in
@@ -53,6 +61,7 @@ import functools
 import inspect
 import weakref
 
+import torch
 import transformers
 from packaging.version import Version
 from transformers import StaticCache
@@ -91,6 +100,7 @@ def generation_defaults() -> dict:
 
 
 RECURRENT_LAYER_TYPES = {"linear_attention", "hybrid", "hybrid_sliding"}  # layer types with a recurrent state
+STATE_LAYER_TYPES = RECURRENT_LAYER_TYPES | {"conv"}  # layer types whose cache layer keeps a state (conv, recurrent)
 
 
 def recurrent_rollback_supported() -> bool:
@@ -145,9 +155,67 @@ def crop_cache(cache, num_tokens_to_remove: int) -> None:
     cache.crop(-num_tokens_to_remove)
 
 
+def roll_back_rows(cache, num_fed: int, kept: list[int]) -> None:
+    """After a forward of `num_fed` tokens per row, row i keeps its first `kept[i]`. K/V layers drop the slots past the
+    longest kept run (the other rows' rejected slots stay, for the caller to mask); a layer keeping a state (conv,
+    recurrent) holds no slots to mask, so each row gets back the state it had after its own last kept token."""
+    shortest, longest = min(kept), max(kept)
+    per_row = [] if shortest == longest else [
+        (layer, _states_after(layer, num_fed, kept)) for layer in cache.layers if hasattr(layer, "conv_states")
+    ]
+    crop_cache(cache, num_fed - longest)  # every row as the longest: right for K/V, and for the states of its rows
+    for layer, (conv_states, recurrent_states) in per_row:
+        layer.conv_states.update(conv_states)
+        layer.recurrent_states.update(recurrent_states)
+
+
+def _states_after(layer, num_fed: int, kept: list[int]) -> tuple[dict, dict]:
+    """({state index: conv state}, {state index: recurrent state}) of a recording state layer, row i as it was after
+    the first `kept[i]` of the `num_fed` tokens of the forward just run."""
+    _check_state_can_roll_back(layer, num_fed - min(kept))
+    conv_states, recurrent_states = {}, {}
+    for i in range(layer.number_of_states):
+        if layer.is_conv_states_initialized[i]:
+            inputs = layer.conv_states[i]  # (b, ..., the kernel's inputs before the forward, then its num_fed)
+            width = layer.conv_kernel_size[i]
+            if inputs.shape[-1] < width + num_fed:  # a prompt shorter than the kernel: zeros before it, as the conv pads
+                inputs = torch.nn.functional.pad(inputs, (width + num_fed - inputs.shape[-1], 0))
+            start = inputs.shape[-1] - num_fed - width  # row r's window: the `width` inputs up to its last kept token
+            window = start + torch.tensor(kept, device=inputs.device)[:, None] + torch.arange(width, device=inputs.device)
+            window = window.view(len(kept), *[1] * (inputs.dim() - 2), width).expand(*inputs.shape[:-1], width)
+            conv_states[i] = inputs.gather(-1, window)
+        if layer.is_recurrent_states_initialized[i]:
+            # the states after min(kept), ..., num_fed tokens of the forward: the history's last ones, then the current
+            depth = num_fed - min(kept)
+            states = torch.stack([*layer.recurrent_states_history[i][len(layer.recurrent_states_history[i]) - depth:],
+                                  layer.recurrent_states[i]])
+            index = torch.tensor(kept, device=states.device) - min(kept)
+            recurrent_states[i] = states[index, torch.arange(len(kept), device=states.device)]
+    return conv_states, recurrent_states
+
+
+def select_cache_rows(cache, index) -> None:
+    """Keep the rows `index` (in that order) of every layer of a dynamic cache: K/V, and the states of the layers
+    keeping one (conv, recurrent, the recorded history), which transformers' `batch_select_indices` leaves out."""
+    for layer in cache.layers:
+        if hasattr(layer, "batch_select_indices"):
+            layer.batch_select_indices(index)
+        if not hasattr(layer, "conv_states"):
+            continue
+        history = getattr(layer, "recurrent_states_history", {})
+        for i in range(layer.number_of_states):
+            for states in (layer.conv_states, layer.recurrent_states):
+                if states[i] is not None:
+                    states[i] = states[i][index.to(states[i].device)]
+            if history.get(i):
+                history[i] = [state[index.to(state.device)] for state in history[i]]
+
+
 def gather_cache_slots(cache, index) -> None:
     """Keep, for each row r, the cache slots `index[r]` (b, n), in that order, in every layer of a dynamic cache."""
     for layer in cache.layers:
+        if hasattr(layer, "cumulative_length_linear"):  # a state layer's token count (5.25), the cache's length
+            layer.cumulative_length_linear.fill_(index.shape[1])
         keys = getattr(layer, "keys", None)
         if keys is None or keys.numel() == 0:
             continue

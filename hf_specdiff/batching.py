@@ -14,6 +14,9 @@ chosen because nothing is ever recomputed and every verify forward stays one blo
   compacted: each row's kept slots are gathered to the right, in order, left-padded to the longest row.
 - A finished row leaves the batch: its cache rows, hidden states and state are index-selected away, so it costs
   nothing more. Its output is padded as plain batched `generate` pads finished rows.
+- Layers keeping a state instead of K/V (linear attention, state-space mixers, short convolutions: Qwen3.5, Bamba,
+  LFM2, ...) have no slots, so nothing to mask: each row's state is put back to what it was after the row's own last
+  kept token (`_compat.roll_back_rows`, from the per-token states transformers records).
 - Sliding-window layers (Gemma 2 / 3, Mistral): transformers measures a window in cache slots, which holes would
   stretch, and its sliding cache layers drop the slots past one window, which a row behind the others still needs.
   So such a target gets a cache that keeps every slot in every layer, and verify forwards with holes get explicit
@@ -208,7 +211,7 @@ class RowBatch:
         remaining = [i for i, row in enumerate(self.rows) if row not in self.finished]
         if len(remaining) < len(self.rows):
             index = torch.tensor(remaining, device=self.tokens.device)
-            cache.batch_select_indices(index)
+            _compat.select_cache_rows(cache, index)
             drafter.select_rows(index)
             outputs.hidden_states = tuple(h[index.to(h.device)] for h in outputs.hidden_states)
             self.rows = [self.rows[i] for i in remaining]
@@ -227,7 +230,7 @@ class RowBatch:
             return outputs
 
         num_kept = max(kept)
-        _compat.crop_cache(cache, num_fed - num_kept)
+        _compat.roll_back_rows(cache, num_fed, kept)  # K/V cropped past the longest run; a state layer's rows each back
         if self.cache_mask is not None or min(kept) < num_kept:
             if self.cache_mask is None:
                 self.cache_mask = torch.ones(len(self.rows), self.slots, dtype=torch.long, device=self.tokens.device)

@@ -199,6 +199,9 @@ def speculative_decoding(
     static = generation_config.cache_implementation == "static"
     # a batch on a target with sliding-window layers: windows counted per row, over a cache keeping every slot
     attention_windows = _attention_windows(model.config.get_text_config()) if input_ids.shape[0] > 1 else None
+    # A model whose every layer keeps a state (Mamba) has no keys to mask: it reads a 2D mask as the padding of the
+    # tokens fed, which after the prompt are all real (plain `generate` passes it none then either).
+    masks_keys = bool(_attention_types(model.config.get_text_config()) - {"linear_attention", "conv"})
     if static:
         room = _compat.static_cache_length(model, generation_config) + block_size
         cache = _compat.reused_static_cache(model, model.config.get_text_config(decoder=True), room)
@@ -242,6 +245,7 @@ def speculative_decoding(
         synchronize(input_ids.device)
         start = time.perf_counter()
         fed, positions, attention_mask = rows.verify_inputs(candidates, first)
+        attention_mask = attention_mask if first or masks_keys else None
         # static: every verify forward has the same width, the anchor and a full set of drafts
         padding = drafter.max_drafts + 1 - fed.shape[1] if static and not first else 0
         if padding:  # the padded slots' logits are ignored and their K/V cropped below, like rejected drafts'
@@ -421,10 +425,17 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
             )
         text_config = model.config.get_text_config()
         attention_types = _attention_types(text_config)
-        if other_attention := sorted(attention_types - {"full_attention", "sliding_attention"}):
+        handled = {"full_attention", "sliding_attention"} | _compat.STATE_LAYER_TYPES
+        if other_attention := sorted(attention_types - handled):
             raise ValueError(
-                f"speculation=... with a batch handles full and sliding-window attention; this model also has "
-                f"{other_attention} layers. Generate row by row."
+                f"speculation=... with a batch handles full and sliding-window attention and layers keeping a "
+                f"recurrent or conv state; this model also has {other_attention} layers. Generate row by row."
+            )
+        windowed = attention_types & {"sliding_attention", "hybrid_sliding"}
+        if windowed and (state_layers := attention_types & _compat.STATE_LAYER_TYPES):
+            raise ValueError(
+                f"speculation=... with a batch handles sliding-window layers or layers keeping a state, not both in "
+                f"one model (this one has {sorted(windowed | state_layers)} layers). Generate row by row."
             )
         implementation = getattr(text_config, "_attn_implementation", None)
         if "sliding_attention" in attention_types and implementation not in ("eager", "sdpa"):

@@ -47,6 +47,58 @@ def make_successor_target(layer_scale=12.0, logit_scale=1.0, vocab_size=VOCAB, *
     return target
 
 
+# Targets whose layers keep a state instead of (or beside) per-token K/V: Qwen3.5's gated-delta-net linear attention,
+# Bamba's Mamba 2 mixer (recurrent states), LFM2's short convolutions (a conv state only), Mamba (every layer a state,
+# no attention). Weights drawn 10x wider than the default, so that a state left holding rejected drafts changes the
+# greedy tokens. {family: (config class, model class, config fields)}
+STATE_FAMILIES = {
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        layer_types=["linear_attention", "full_attention", "linear_attention"], head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)),
+    "bamba": ("BambaConfig", "BambaForCausalLM", dict(
+        attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1)),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(layer_types=["conv", "full_attention", "conv"])),
+    "mamba": ("MambaConfig", "MambaForCausalLM", dict(state_size=8)),
+}
+
+
+def make_state_target(family: str, **kwargs):
+    import transformers
+
+    config_name, model_name, fields = STATE_FAMILIES[family]
+    return hf_specdiff.enable(make_target(
+        initializer_range=0.2, config_class=getattr(transformers, config_name),
+        model_class=getattr(transformers, model_name), **fields, **kwargs,
+    ))
+
+
+def replay_greedy_drafts(monkeypatch, sequences: list[torch.Tensor], pad_token_id: int = 0):
+    """Drafts that are plain greedy's own next tokens, wrong from a slot on (or not at all) that the row's tokens so far
+    pick: every accepted length occurs, so the target is rolled back by every depth from none to a whole block, and a
+    row meets the same drafts in a batch as alone. `sequences`: each prompt's plain greedy output (1D, no padding);
+    a row's tokens (left padding stripped) pick the one they begin."""
+    from hf_specdiff.candidates import BlockDiffusionCandidateGenerator
+
+    original = BlockDiffusionCandidateGenerator.get_candidates
+
+    def replaying(self, input_ids, *args, rows=None, **kwargs):
+        candidate_ids, q = original(self, input_ids, *args, rows=rows, **kwargs)
+        if q is None:
+            return candidate_ids, q
+        lengths = rows.lengths if rows is not None else [input_ids.shape[1]] * input_ids.shape[0]
+        for row, length in enumerate(lengths):
+            tokens = input_ids[row, :length]
+            tokens = tokens[int((tokens != pad_token_id).nonzero()[0, 0]):]  # left padding stripped
+            sequence = next(s for s in sequences if len(s) >= len(tokens) and torch.equal(s[: len(tokens)], tokens))
+            drafts = sequence[len(tokens) : len(tokens) + q.shape[1]].clone()
+            wrong_from = hash(tuple(tokens.tolist())) % (self.max_drafts + 1)
+            drafts[wrong_from:] = (drafts[wrong_from:] + 1) % VOCAB
+            candidate_ids[row, length : length + len(drafts)] = drafts
+        return candidate_ids, q
+
+    monkeypatch.setattr(BlockDiffusionCandidateGenerator, "get_candidates", replaying)
+
+
 def make_speculator(target, block_size=8, oracle=False, strength=6.0, num_jacobi_passes=4, seed=1):
     vocab = target.config.vocab_size
     spec = AutoSpeculator.from_target(target, block_size=block_size, num_draft_layers=2, refiner_rank=vocab, seed=seed)

@@ -6,14 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
+    STATE_FAMILIES,
     VOCAB,
     accept_every_draft,
     chi_square_p_value,
     exact_distribution,
     make_sampling_pair,
     make_speculator,
+    make_state_target,
     make_successor_target,
     make_target,
+    replay_greedy_drafts,
 )
 from transformers.generation.streamers import BaseStreamer
 
@@ -103,6 +106,37 @@ def test_sliding_window_rows_equal_row_by_row(family, attention, record_drafts, 
         taus.append(assert_rows_exact(target, speculator, "xpress", prompts, max_new_tokens=14 + 6 * i).speculation.tau)
     assert windowed, "no verify forward had holes: the windowed masks went untested"
     assert sum(taus) / len(taus) > 1.5, "the oracle should get runs of different lengths accepted"
+
+
+@pytest.mark.parametrize("family", STATE_FAMILIES)
+def test_targets_with_recurrent_or_conv_state_rows_equal_row_by_row(family, monkeypatch):
+    """A layer keeping a state (recurrent, conv) has no slots to mask: after each verify forward every row's state goes
+    back to what it was after the row's own last kept token, while the other rows keep more; rows that finish take
+    their state out of the batch. Drafts replay plain greedy's tokens wrong from a slot the row's tokens pick, so the
+    rows of a step keep different numbers of tokens. (Recurrent states need transformers 5.25, as for one row.)"""
+    target = make_state_target(family)
+    speculator = make_speculator(target)
+    if family != "lfm2" and not _compat.recurrent_rollback_supported():
+        pytest.skip("a recurrent state rolls back from transformers 5.25 on (refusal: test_greedy.py)")
+    per_row = []
+    original = _compat.roll_back_rows
+    monkeypatch.setattr(_compat, "roll_back_rows", lambda c, n, kept: per_row.append(kept) or original(c, n, kept))
+    finished_early = 0
+    for i, prompts in enumerate(ragged_batches(count=3, size=4, seed=3)):
+        # EOS (after a batch without): the token the rows generate most, so that rows meet it at different steps
+        target.generation_config.eos_token_id = None
+        sequences = [target.generate(p[None], do_sample=False, max_new_tokens=24)[0] for p in prompts]
+        if i > 0:
+            generated = torch.cat([s[len(p) :] for s, p in zip(sequences, prompts)])
+            target.generation_config.eos_token_id = int(generated.mode().values)
+            sequences = [target.generate(p[None], do_sample=False, max_new_tokens=24)[0] for p in prompts]
+            finished_early += sum(len(s) < len(p) + 24 for s, p in zip(sequences, prompts))
+        with monkeypatch.context() as patch:
+            replay_greedy_drafts(patch, sequences)
+            for method in ("xpress", "dflash"):
+                assert_rows_exact(target, speculator, method, prompts, max_new_tokens=24)
+    assert sum(min(kept) < max(kept) for kept in per_row) >= 10, "rows never kept different numbers of tokens"
+    assert finished_early >= 2, "no row left the batch early"
 
 
 @pytest.fixture
@@ -472,7 +506,10 @@ def test_what_batches_cannot_do_is_refused(small, monkeypatch):
     # layer types as a Llama 4 declares them (chunked attention), then a sliding-window model under flash attention
     layer_types = {"chunked_attention", "full_attention"}
     monkeypatch.setattr(hf_specdiff.generation, "_attention_types", lambda config: layer_types)
-    with pytest.raises(ValueError, match=r"full and sliding-window attention; this model also has \['chunked_"):
+    with pytest.raises(ValueError, match=r"recurrent or conv state; this model also has \['chunked_"):
+        speculate(target, speculator, "xpress", ids, mask, max_new_tokens=4)
+    layer_types = {"sliding_attention", "conv", "full_attention"}  # windows per row and states per row: not yet both
+    with pytest.raises(ValueError, match=r"not both in one model \(this one has \['conv', 'sliding_attention'\]"):
         speculate(target, speculator, "xpress", ids, mask, max_new_tokens=4)
     layer_types = {"sliding_attention", "full_attention"}
     target.config._attn_implementation = "flash_attention_2"  # checked before any forward

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, make_speculator, make_successor_target, make_target
+from conftest import (
+    STATE_FAMILIES,
+    VOCAB,
+    make_speculator,
+    make_state_target,
+    make_successor_target,
+    make_target,
+    replay_greedy_drafts,
+)
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
@@ -134,55 +142,15 @@ def test_a_vision_language_target_speculates_on_text_prompts():
                         assistant_model=speculator, speculation="xpress")
 
 
-# Targets whose layers keep a state instead of (or beside) per-token K/V: Qwen3.5's gated-delta-net linear attention,
-# Bamba's Mamba 2 mixer (recurrent states), LFM2's short convolutions (a conv state only). Weights drawn 10x wider
-# than the default, so that a state left holding rejected drafts changes the greedy tokens.
-STATE_FAMILIES = {
-    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
-        layer_types=["linear_attention", "full_attention", "linear_attention"], head_dim=16, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)),
-    "bamba": ("BambaConfig", "BambaForCausalLM", dict(
-        attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1)),
-    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(layer_types=["conv", "full_attention", "conv"])),
-}
-
-
-def replay_drafts(monkeypatch, continuation, seed=0):
-    """Drafts that are plain greedy's own next tokens (`continuation`, the whole greedy sequence), each block wrong
-    from a random slot on (or not at all): every accepted length occurs, so the target is rolled back by every
-    depth from none to a whole block."""
-    from hf_specdiff.candidates import BlockDiffusionCandidateGenerator
-
-    original = BlockDiffusionCandidateGenerator.get_candidates
-    generator = torch.Generator().manual_seed(seed)
-
-    def replaying(self, input_ids, *args, **kwargs):
-        candidate_ids, q = original(self, input_ids, *args, **kwargs)
-        start, end = input_ids.shape[1], min(candidate_ids.shape[1], continuation.shape[1])
-        if q is not None and end > start:
-            drafts = continuation[:, start:end].clone()
-            wrong_from = int(torch.randint(0, drafts.shape[1] + 1, (1,), generator=generator))
-            drafts[:, wrong_from:] = (drafts[:, wrong_from:] + 1) % VOCAB
-            candidate_ids[:, start:end] = drafts
-        return candidate_ids, q
-
-    monkeypatch.setattr(BlockDiffusionCandidateGenerator, "get_candidates", replaying)
-
-
 @pytest.mark.parametrize("family", STATE_FAMILIES)
 def test_targets_with_recurrent_or_conv_state_roll_it_back(family, monkeypatch):
     """A rejected draft must leave no trace in a layer's recurrent or conv state: transformers 5.25 restores the state
     a roll-back lands on (what the loop asks it to record); older versions cannot for a recurrent state, and such a
-    target is refused there, before any work. Batches and static caches are refused for these layers."""
-    import transformers
-
+    target is refused there, before any work. Static caches are refused for these layers (batches:
+    `test_batched.py::test_targets_with_recurrent_or_conv_state_rows_equal_row_by_row`)."""
     from hf_specdiff import _compat
 
-    config_name, model_name, extra = STATE_FAMILIES[family]
-    target = hf_specdiff.enable(make_target(
-        initializer_range=0.2, config_class=getattr(transformers, config_name),
-        model_class=getattr(transformers, model_name), **extra,
-    ))
+    target = make_state_target(family)
     speculator = make_speculator(target)
     if family != "lfm2" and not _compat.recurrent_rollback_supported():
         with pytest.raises(ValueError, match="rolls back from version 5.25 on .*Upgrade transformers"):
@@ -193,18 +161,14 @@ def test_targets_with_recurrent_or_conv_state_roll_it_back(family, monkeypatch):
     for i, prompt in prompts(count=3, seed=3):
         plain = target.generate(prompt, do_sample=False, max_new_tokens=30)
         with monkeypatch.context() as patch:
-            replay_drafts(patch, plain, seed=i)
+            replay_greedy_drafts(patch, [plain[0]])
             for method in METHODS:
                 stats = assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=30)
                 accepted.update(stats.accepted_lengths)
     assert len(accepted) >= 5, f"roll-backs of too few depths: accepted lengths {sorted(accepted)}"
-    batch = torch.tensor([[0, 5, 9], [4, 7, 1]])
-    with pytest.raises(ValueError, match="with a batch handles full and sliding-window attention"):
-        target.generate(batch, attention_mask=batch.ne(0).long(), max_new_tokens=5, assistant_model=speculator,
-                        speculation="xpress")
     with pytest.raises(ValueError, match="with cache_implementation='static' handles full and sliding-window"):
-        target.generate(batch[1:], max_new_tokens=5, assistant_model=speculator, speculation="xpress",
-                        cache_implementation="static")
+        target.generate(torch.tensor([[4, 7, 1]]), max_new_tokens=5, assistant_model=speculator,
+                        speculation="xpress", cache_implementation="static")
 
 
 def test_a_target_keeping_its_state_outside_the_cache_is_refused():
