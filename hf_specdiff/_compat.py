@@ -185,12 +185,10 @@ def _states_after(layer, num_fed: int, kept: list[int]) -> tuple[dict, dict]:
             window = window.view(len(kept), *[1] * (inputs.dim() - 2), width).expand(*inputs.shape[:-1], width)
             conv_states[i] = inputs.gather(-1, window)
         if layer.is_recurrent_states_initialized[i]:
-            # the states after min(kept), ..., num_fed tokens of the forward: the history's last ones, then the current
-            depth = num_fed - min(kept)
-            states = torch.stack([*layer.recurrent_states_history[i][len(layer.recurrent_states_history[i]) - depth:],
-                                  layer.recurrent_states[i]])
-            index = torch.tensor(kept, device=states.device) - min(kept)
-            recurrent_states[i] = states[index, torch.arange(len(kept), device=states.device)]
+            # the state after the forward's k-th token: the current one for k = num_fed, else the history's, counted
+            # from its end (one row of each: a whole state per token would be copied for every row by a gather)
+            after = [*layer.recurrent_states_history[i], layer.recurrent_states[i]]
+            recurrent_states[i] = torch.stack([after[k - num_fed - 1][row] for row, k in enumerate(kept)])
     return conv_states, recurrent_states
 
 
