@@ -186,9 +186,13 @@ def _states_after(layer, num_fed: int, kept: list[int]) -> tuple[dict, dict]:
             conv_states[i] = inputs.gather(-1, window)
         if layer.is_recurrent_states_initialized[i]:
             # the state after the forward's k-th token: the current one for k = num_fed, else the history's, counted
-            # from its end (one row of each: a whole state per token would be copied for every row by a gather)
+            # from its end; the rows that kept k tokens copied together (a state can be megabytes a row)
             after = [*layer.recurrent_states_history[i], layer.recurrent_states[i]]
-            recurrent_states[i] = torch.stack([after[k - num_fed - 1][row] for row, k in enumerate(kept)])
+            states = after[-1].clone()
+            for k in set(kept) - {num_fed}:
+                rows = torch.tensor([row for row, kept_k in enumerate(kept) if kept_k == k], device=states.device)
+                states[rows] = after[k - num_fed - 1][rows]
+            recurrent_states[i] = states
     return conv_states, recurrent_states
 
 
