@@ -23,7 +23,9 @@ registry of this project's machines has no such `kernels`, so 5.25 was tested in
   `generate` does to reuse `model._cache`; the speculative loop reuses its static caches the same way.
 - A 4D attention mask (or a dict of them by layer type, in the models with several layer types) is used as given:
   `masking_utils._preprocess_mask_arguments` returns it unchanged (both). Batched speculation on a sliding-window
-  target passes its own there, over a `DynamicCache()`, which without a config makes full `DynamicLayer`s (both).
+  target passes its own there, over a `DynamicCache()`, which without a config makes full `DynamicLayer`s (both);
+  with layers keeping a state too, over `DynamicCache(config=)`, whose sliding layers `unwindowed_dynamic_cache`
+  swaps for full ones (`DynamicSlidingWindowLayer`, `LinearAttentionAndSlidingWindowAttentionLayer`: both).
 - Layers with a recurrent state (layer types "linear_attention", "hybrid", "hybrid_sliding": Qwen3.5, Qwen3-Next,
   Jamba, Bamba, Falcon-H1, Mamba 2, ...) cannot drop a token's K/V: a roll-back needs the state as it was after
   the last kept token. 5.25's cache layer records it: `activate_past_recording(recurrent_states_to_keep=n)` makes
@@ -64,7 +66,7 @@ import weakref
 import torch
 import transformers
 from packaging.version import Version
-from transformers import StaticCache
+from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
 MIN_TRANSFORMERS = Version("5.17.0")
@@ -224,6 +226,27 @@ def gather_cache_slots(cache, index) -> None:
         slots = index.to(keys.device)[:, None, :, None]  # broadcast over heads and head_dim
         layer.keys = keys.take_along_dim(slots, dim=2)
         layer.values = layer.values.take_along_dim(slots, dim=2)
+
+
+def unwindowed_dynamic_cache(config) -> DynamicCache:
+    """An empty dynamic cache for a model with this config whose sliding-window layers keep every slot, as full
+    layers: a batch's rows drift apart in cache slots, and a row behind the others still needs slots a sliding layer
+    would have dropped (the loop masks each row's window itself). Layers keeping a state keep their own layer type;
+    without any, `DynamicCache()` makes full layers throughout as they are first written."""
+    from transformers.cache_utils import (
+        DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionAndFullAttentionLayer,
+        LinearAttentionAndSlidingWindowAttentionLayer,
+    )
+
+    if not any(kind in STATE_LAYER_TYPES for kind in getattr(config, "layer_types", None) or ()):
+        return DynamicCache()
+    cache = DynamicCache(config=config)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicSlidingWindowLayer:
+            cache.layers[i] = DynamicLayer()
+        elif type(layer) is LinearAttentionAndSlidingWindowAttentionLayer:
+            cache.layers[i] = LinearAttentionAndFullAttentionLayer(number_of_states=layer.number_of_states)
+    return cache
 
 
 def generate_output_cache_field() -> str:

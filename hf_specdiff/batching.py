@@ -19,8 +19,12 @@ chosen because nothing is ever recomputed and every verify forward stays one blo
   kept token (`_compat.roll_back_rows`, from the per-token states transformers records).
 - Sliding-window layers (Gemma 2 / 3, Mistral): transformers measures a window in cache slots, which holes would
   stretch, and its sliding cache layers drop the slots past one window, which a row behind the others still needs.
-  So such a target gets a cache that keeps every slot in every layer, and verify forwards with holes get explicit
-  4D masks (`windowed_masks`) whose windows count each row's own tokens, as they would for the row alone.
+  So such a target gets a cache that keeps every slot in every attention layer, and verify forwards with holes get
+  explicit 4D masks (`windowed_masks`) whose windows count each row's own tokens, as they would for the row alone
+  (its layers keeping a state, if any, get none: every token fed after the prompt is real).
+- A target whose attention counts the distance between a query and a key in cache slots rather than by position ids
+  (Inkling's relative-position logits) would see a hole as a token: its caches are compacted at every step that
+  leaves one (`compact_every_step`), which costs a gather of both caches per such step.
 
 With one row, or rows that always accept alike, there are no holes: no mask is built and the cache is cropped
 exactly as in single-sequence speculative decoding.
@@ -55,19 +59,23 @@ def last_tokens(sequence: torch.LongTensor, lengths: list[int] | None, n: int) -
     return sequence.gather(1, index)
 
 
-def windowed_masks(key_mask: torch.Tensor, query_positions: torch.LongTensor, attention_windows: dict[str, int | None],
-                   dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+def windowed_masks(key_mask: torch.Tensor, query_positions: torch.LongTensor,
+                   attention_windows: dict[str, int | None | bool],
+                   dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor | None]:
     """Additive 4D masks (b, 1, n, keys) for a verify forward over a cache with holes: a query at position p sees its
     row's keys at positions q with p - window < q <= p (transformers' sliding window, counted in the row's tokens
-    rather than in cache slots; no window: q <= p). `key_mask` (b, keys) marks the row's own keys, the queries' among
-    them; `query_positions` (b, n). One mask per layer type (a dict, as transformers' models take them), or the mask
-    alone for a model with one layer type."""
+    rather than in cache slots; window None: q <= p; False: a layer keeping a state, which gets no mask). `key_mask`
+    (b, keys) marks the row's own keys, the queries' among them; `query_positions` (b, n). One mask per layer type (a
+    dict, as transformers' models take them), or the mask alone for a model with one layer type."""
     key_positions = key_mask.cumsum(-1) - 1  # a row's own keys are in order, so the count before one is its position
     offset = query_positions[:, :, None] - key_positions[:, None, :]  # (b, n, keys)
     visible = key_mask.bool()[:, None, :] & (offset >= 0)
     blocked = torch.finfo(dtype).min
     masks = {}
     for layer_type, window in attention_windows.items():
+        if window is False:
+            masks[layer_type] = None
+            continue
         seen = visible if window is None else visible & (offset < window)
         additive = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, blocked)
         masks[layer_type] = additive[:, None]  # (b, 1, n, keys): one mask for all heads
@@ -87,10 +95,13 @@ class RowBatch:
     """
 
     def __init__(self, input_ids: torch.LongTensor, attention_mask, generation_config, pad_after_stop: bool,
-                 attention_windows: dict[str, int | None] | None = None, mask_dtype: torch.dtype = torch.float32):
+                 attention_windows: dict[str, int | None | bool] | None = None,
+                 mask_dtype: torch.dtype = torch.float32, compact_every_step: bool = False):
         batch, width = input_ids.shape
-        # {layer type: its window, None for full attention} when the target has sliding-window layers, else None
+        # {mask key: its window, None for full attention, False for none} when the target has sliding-window layers
         self.attention_windows, self.mask_dtype = attention_windows, mask_dtype
+        # a target whose attention counts distances in cache slots rather than position ids needs a cache without holes
+        self.compact_every_step = compact_every_step
         self.batch_size, self.prompt_width = batch, width
         self.max_new_tokens = generation_config.max_length - width
         self.pad_after_stop = pad_after_stop
@@ -244,15 +255,25 @@ class RowBatch:
     def compact_if_sparse(self, caches) -> bool:
         """When more than `COMPACT_WHEN_WASTED` of the slots are holes no row needs, gather each row's slots to the
         right, in order, in every cache (all must hold the same `slots` slots; otherwise wait for the next step).
+        With `compact_every_step`, whenever a row has a hole past its first token.
         A batch of one is never compacted: its only holes are its prompt's padding, which never grow; they stay, so
         the cache handed back lines up with the sequence as plain `generate`'s does, and a static cache keeps its
         size."""
         if self.cache_mask is None or self.batch_size == 1:
             return False
         width = max(self.valid)
-        if self.slots - width <= COMPACT_WHEN_WASTED * self.slots:
+        if self.compact_every_step:  # any hole past a row's first token (its prompt's padding may stay)
+            needed = bool((self.cache_mask[:, 1:] < self.cache_mask[:, :-1]).any())
+        else:
+            needed = self.slots - width > COMPACT_WHEN_WASTED * self.slots
+        if not needed:
             return False
         if any(c.get_seq_length() != self.slots for c in caches):
+            if self.compact_every_step:
+                raise RuntimeError(
+                    "hf_specdiff: the target and drafter caches hold different slots, and this target cannot take holes "
+                    "in its cache. Generate row by row, and please report it."
+                )
             return False
         order = torch.argsort(self.cache_mask, dim=1, stable=True)[:, self.slots - width :]  # (b, width): holes first
         for c in caches:

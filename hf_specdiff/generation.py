@@ -207,8 +207,10 @@ def speculative_decoding(
         cache = _compat.reused_static_cache(model, model.config.get_text_config(decoder=True), room)
     else:
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-        if cache is None or attention_windows is not None:  # (the given one is checked empty) windows counted per
-            cache = DynamicCache()  # row need every slot kept: full layers throughout, whatever the model's config
+        if attention_windows is not None:  # windows counted per row need every slot kept (the given one is empty)
+            cache = _compat.unwindowed_dynamic_cache(model.config.get_text_config(decoder=True))
+        elif cache is None:
+            cache = DynamicCache()
     compiled = static and _compat.forward_compiled(model, generation_config, cache)
     verify_forward = model.get_compiled_call(generation_config.compile_config) if compiled else model
     drafter = BlockDiffusionCandidateGenerator(
@@ -221,7 +223,8 @@ def speculative_decoding(
         _compat.record_past(cache, tokens_per_forward=drafter.max_drafts + 1)  # (sliding, conv, recurrent layers)
     has_eos_criterion = any(hasattr(c, "eos_token_id") for c in stopping_criteria)  # as plain `generate` decides
     rows = RowBatch(input_ids, model_kwargs.get("attention_mask"), generation_config, pad_after_stop=has_eos_criterion,
-                    attention_windows=attention_windows, mask_dtype=model.dtype)
+                    attention_windows=attention_windows, mask_dtype=model.dtype,
+                    compact_every_step=model.config.get_text_config().model_type in _SLOT_DISTANCE_MODEL_TYPES)
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
@@ -431,14 +434,8 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                 f"speculation=... with a batch handles full and sliding-window attention and layers keeping a "
                 f"recurrent or conv state; this model also has {other_attention} layers. Generate row by row."
             )
-        windowed = attention_types & {"sliding_attention", "hybrid_sliding"}
-        if windowed and (state_layers := attention_types & _compat.STATE_LAYER_TYPES):
-            raise ValueError(
-                f"speculation=... with a batch handles sliding-window layers or layers keeping a state, not both in "
-                f"one model (this one has {sorted(windowed | state_layers)} layers). Generate row by row."
-            )
         implementation = getattr(text_config, "_attn_implementation", None)
-        if "sliding_attention" in attention_types and implementation not in ("eager", "sdpa"):
+        if attention_types & _SLIDING_LAYER_TYPES and implementation not in ("eager", "sdpa"):
             raise ValueError(
                 f"speculation=... with a batch gives a sliding-window model's layers their own 4D masks, which "
                 f"attn_implementation={implementation!r} does not take. Load the model with "
@@ -498,12 +495,33 @@ def _check_decoding_mode(generation_config) -> None:
         )
 
 
-def _attention_windows(config) -> dict[str, int | None] | None:
-    """{layer type: its window (None for full attention)} for a model with sliding-window layers; None without."""
+_SLIDING_LAYER_TYPES = {"sliding_attention", "hybrid_sliding"}
+# Targets whose attention reads the distance between a query and a key off their cache slots rather than their position
+# ids (Inkling's relative-position logits, 5.17 to 5.25): a batch's cache must never hold holes between a row's tokens.
+_SLOT_DISTANCE_MODEL_TYPES = {"inkling_text", "inkling2_text", "inkling2_loop_text"}
+
+
+def _attention_windows(config) -> dict[str, int | None | bool] | None:
+    """For a model with sliding-window layers, what its layers see in a batch's verify forwards, by the key its forward
+    looks their mask up by: {key: window (None: full attention, False: no mask)}; None for a model without.
+
+    Layers keeping a state read their mask as the padding of the tokens fed ("conv" and "linear_attention" masks, also
+    for the state half of a "hybrid" layer), and after the prompt every token fed is real: no mask. A "hybrid" or
+    "hybrid_sliding" layer's attention reads the mask of its own type or of the plain attention type, by model."""
     types = _attention_types(config)
-    if "sliding_attention" not in types:
+    if not types & _SLIDING_LAYER_TYPES:
         return None
-    return {kind: config.sliding_window if kind == "sliding_attention" else None for kind in sorted(types)}
+    windows = {}
+    for kind in sorted(types):
+        window = config.sliding_window if kind in _SLIDING_LAYER_TYPES else None
+        if kind in ("conv", "linear_attention"):
+            windows[kind] = False
+        elif kind in ("hybrid", "hybrid_sliding"):
+            attention = "sliding_attention" if kind == "hybrid_sliding" else "full_attention"
+            windows.update({kind: window, attention: window, "linear_attention": False, "conv": False})
+        else:
+            windows[kind] = window
+    return windows
 
 
 def _attention_types(config) -> set[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
+    CONV_STATE_FAMILIES,
     STATE_FAMILIES,
     VOCAB,
     accept_every_draft,
@@ -113,14 +114,19 @@ def test_targets_with_recurrent_or_conv_state_rows_equal_row_by_row(family, monk
     """A layer keeping a state (recurrent, conv) has no slots to mask: after each verify forward every row's state goes
     back to what it was after the row's own last kept token, while the other rows keep more; rows that finish take
     their state out of the batch. Drafts replay plain greedy's tokens wrong from a slot the row's tokens pick, so the
-    rows of a step keep different numbers of tokens. (Recurrent states need transformers 5.25, as for one row.)"""
+    rows of a step keep different numbers of tokens. (Recurrent states need transformers 5.25, as for one row.) With
+    sliding-window layers beside, the cache keeps every slot for them and their windows come from the loop's masks,
+    while the state layers get none; Inkling's attention, which counts distances in cache slots, gets a cache
+    compacted at every step that leaves a hole."""
     target = make_state_target(family)
     speculator = make_speculator(target)
-    if family != "lfm2" and not _compat.recurrent_rollback_supported():
+    if family not in CONV_STATE_FAMILIES and not _compat.recurrent_rollback_supported():
         pytest.skip("a recurrent state rolls back from transformers 5.25 on (refusal: test_greedy.py)")
-    per_row = []
+    per_row, windowed = [], []
     original = _compat.roll_back_rows
     monkeypatch.setattr(_compat, "roll_back_rows", lambda c, n, kept: per_row.append(kept) or original(c, n, kept))
+    original_masks = hf_specdiff.batching.windowed_masks
+    monkeypatch.setattr(hf_specdiff.batching, "windowed_masks", lambda *a: windowed.append(1) or original_masks(*a))
     finished_early = 0
     # the last batch's prompts are one token, shorter than a conv kernel (3 or 4): its conv states start short
     short = [torch.tensor([3]), torch.tensor([5]), torch.tensor([9])]
@@ -139,6 +145,8 @@ def test_targets_with_recurrent_or_conv_state_rows_equal_row_by_row(family, monk
                 assert_rows_exact(target, speculator, method, prompts, max_new_tokens=24)
     assert sum(min(kept) < max(kept) for kept in per_row) >= 10, "rows never kept different numbers of tokens"
     assert finished_early >= 2, "no row left the batch early"
+    sliding = {"sliding_attention", "hybrid_sliding"} & set(getattr(target.config, "layer_types", None) or ())
+    assert bool(windowed) == bool(sliding), "the loop's windowed masks are for sliding-window layers, and only for them"
 
 
 @pytest.fixture
@@ -510,10 +518,7 @@ def test_what_batches_cannot_do_is_refused(small, monkeypatch):
     monkeypatch.setattr(hf_specdiff.generation, "_attention_types", lambda config: layer_types)
     with pytest.raises(ValueError, match=r"recurrent or conv state; this model also has \['chunked_"):
         speculate(target, speculator, "xpress", ids, mask, max_new_tokens=4)
-    layer_types = {"sliding_attention", "conv", "full_attention"}  # windows per row and states per row: not yet both
-    with pytest.raises(ValueError, match=r"not both in one model \(this one has \['conv', 'sliding_attention'\]"):
-        speculate(target, speculator, "xpress", ids, mask, max_new_tokens=4)
-    layer_types = {"sliding_attention", "full_attention"}
+    layer_types = {"sliding_attention", "conv", "full_attention"}  # windows and states in one model (LFM3)
     target.config._attn_implementation = "flash_attention_2"  # checked before any forward
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         speculate(target, speculator, "xpress", ids, mask, max_new_tokens=4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
+    CONV_STATE_FAMILIES,
     STATE_FAMILIES,
     VOCAB,
     make_speculator,
@@ -152,7 +153,7 @@ def test_targets_with_recurrent_or_conv_state_roll_it_back(family, monkeypatch):
 
     target = make_state_target(family)
     speculator = make_speculator(target)
-    if family != "lfm2" and not _compat.recurrent_rollback_supported():
+    if family not in CONV_STATE_FAMILIES and not _compat.recurrent_rollback_supported():
         with pytest.raises(ValueError, match="rolls back from version 5.25 on .*Upgrade transformers"):
             target.generate(torch.tensor([[5, 9, 2]]), max_new_tokens=5, assistant_model=speculator,
                             speculation="xpress")
