@@ -382,6 +382,10 @@ class AutoSpeculator:
         defaults to the last row of the target's embedding table.
         """
         text = target.config.get_text_config()
+        if getattr(text, "is_heterogeneous", False) and "full_attention" in (getattr(text, "layer_types", None) or ()):
+            # Gemma 4 sets head_dim and K/V heads per layer (and refuses to read one for all): the drafter, whose
+            # attention is full, takes its full-attention layers' geometry
+            text = text.per_layer_config["full_attention"]
         for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"):
             if getattr(text, field, None) is None:
                 raise ValueError(
@@ -406,8 +410,8 @@ class AutoSpeculator:
             num_attention_heads=text.num_attention_heads,
             num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
             head_dim=head_dim,
-            hidden_act=getattr(text, "hidden_act", "silu"),
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            hidden_act=getattr(text, "hidden_act", None) or "silu",  # (some configs hold None: the default)
+            rms_norm_eps=getattr(text, "rms_norm_eps", None) or 1e-6,
             rope_parameters=full_attention_rope_parameters(text),
             max_position_embeddings=getattr(text, "max_position_embeddings", 32768),
             vocab_size=vocab_size,

@@ -229,6 +229,22 @@ def test_from_target_rejects_unsupported_architectures():
         AutoSpeculator.from_target(target)
 
 
+def test_the_drafter_takes_the_targets_full_attention_rope():
+    from types import SimpleNamespace
+
+    from hf_specdiff.dflash import full_attention_rope_parameters
+
+    sliding, full = {"rope_type": "default", "rope_theta": 1e4}, {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}
+    assert full_attention_rope_parameters(SimpleNamespace(rope_parameters=full)) == full
+    per_type = SimpleNamespace(rope_parameters={"sliding_attention": sliding, "full_attention": full})  # Gemma 3
+    assert full_attention_rope_parameters(per_type) == full
+    # full-attention layers without RoPE list None: the one set there is
+    no_pe = SimpleNamespace(rope_parameters={"sliding_attention": sliding, "full_attention": None})
+    assert full_attention_rope_parameters(no_pe) == sliding
+    with pytest.raises(ValueError, match="name no `rope_type`"):
+        full_attention_rope_parameters(SimpleNamespace(rope_parameters={"sliding_attention": sliding, "chunked": full}))
+
+
 def test_configs_validate_their_fields():
     with pytest.raises(ValueError, match="block_size"):
         hf_specdiff.XPressConfig(block_size=1)

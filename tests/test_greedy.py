@@ -73,7 +73,9 @@ def test_sliding_window_target_past_its_window(method):
 # Families users bring, each with what sets it apart from Llama: Qwen3 (q/k norms), Phi3 (fused projections), Gemma 2
 # (logit soft-capping, sliding layers), Gemma 3 (RoPE set per layer type), OLMo 2 (post-norms), GPT-NeoX (parallel
 # residual, partial rotary, no grouped-query attention), Gemma 3n (an MLP width per layer, hidden states stacking its
-# AltUp streams, layers reusing another layer's K/V).
+# AltUp streams, layers reusing another layer's K/V), Gemma 4 (head_dim set per layer type, which its config refuses
+# to read for all layers), Cohere 2 MoE (layer norms whose config holds rms_norm_eps=None; experts run eagerly: grouped
+# matmuls take no float64).
 TARGET_FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
@@ -85,6 +87,12 @@ TARGET_FAMILIES = {
         "head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention", "full_attention"],
         "num_kv_shared_layers": 1, "laurel_rank": 8, "altup_num_inputs": 2, "activation_sparsity_pattern": [0.0] * 3,
         "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB}),
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", {
+        "head_dim": 16, "global_head_dim": 32, "sliding_window": 8, "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": VOCAB, "layer_types": ["sliding_attention", "full_attention", "full_attention"]}),
+    "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", {
+        "head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "experts_implementation": "eager"}),
 }
 
 
