@@ -261,6 +261,11 @@ def speculative_decoding(
                 output_hidden_states=True, **logits_kwargs, **_compat.cache_kwargs(model, cache),
             )
         stats.target_forwards += 1
+        if first and cache.get_seq_length() == 0:  # rolled back and fed only new tokens, it would lose the context
+            raise ValueError(
+                f"speculation=... verifies drafts against the target's cache, and {type(model).__name__} keeps nothing "
+                "there (its forward ignores the cache, or keeps its state on the model). Generate without speculation."
+            )
         end = outputs.logits.shape[1] - padding
         target_logits = outputs.logits[:, end - num_drafts - 1 : end].float()  # (b, n+1, V)
         if compiled:  # a compiled forward may reuse its output buffers at the next call (CUDA graphs)
@@ -377,7 +382,10 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                 "without speculation."
             )
     if generation_config.use_cache is False:
-        raise ValueError("speculation=... needs the KV cache; remove use_cache=False.")
+        raise ValueError(
+            "speculation=... needs the KV cache, and use_cache is False (in the call, or in the model's config or "
+            "generation config, as MPT's): pass use_cache=True."
+        )
     if generation_config.cache_implementation == "static":
         if batch_size > 1:
             raise ValueError(
@@ -441,6 +449,12 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                 f"attn_implementation={implementation!r} does not take. Load the model with "
                 "attn_implementation='sdpa' (or 'eager'), or generate row by row."
             )
+        if text_config.model_type in _SLOT_ROTATED_MODEL_TYPES:
+            raise ValueError(
+                f"speculation=... with a batch leaves gaps between a row's tokens in the cache, and "
+                f"{type(model).__name__} rotates each key by its cache slot, not its position: its rows would drift. "
+                "Generate row by row."
+            )
         if any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in logits_processor or []):
             raise ValueError(
                 "speculation=... with a batch cannot use prefix_allowed_tokens_fn: rows finish and leave the batch, "
@@ -499,6 +513,9 @@ _SLIDING_LAYER_TYPES = {"sliding_attention", "hybrid_sliding"}
 # Targets whose attention reads the distance between a query and a key off their cache slots rather than their position
 # ids (Inkling's relative-position logits, 5.17 to 5.25): a batch's cache must never hold holes between a row's tokens.
 _SLOT_DISTANCE_MODEL_TYPES = {"inkling_text", "inkling2_text", "inkling2_loop_text"}
+# Targets whose rotary embedding takes each token's position from its cache slot (RoFormer ignores position ids), baked
+# into the cached keys: neither holes nor compaction keep a batch's rows right, so batches are refused.
+_SLOT_ROTATED_MODEL_TYPES = {"roformer"}
 
 
 def _attention_windows(config) -> dict[str, int | None | bool] | None:
@@ -525,9 +542,11 @@ def _attention_windows(config) -> dict[str, int | None | bool] | None:
 
 
 def _attention_types(config) -> set[str]:
-    """The kinds of attention layers a model has ("full_attention", "sliding_attention", "linear_attention", ...)."""
+    """The kinds of attention layers a model has ("full_attention", "sliding_attention", "linear_attention", ...).
+    Layers that neither attend nor keep a state (Nemotron-H's "mlp" and "moe", which transformers caches as "dummy")
+    are not among them."""
     if layer_types := getattr(config, "layer_types", None):
-        return set(layer_types)
+        return set(layer_types) - {"mlp", "moe", "dummy"}
     if block_types := getattr(config, "block_types", None):  # RecurrentGemma before 5.25, which names them there
         return {"linear_attention" if kind == "recurrent" else "sliding_attention" for kind in block_types}
     return {"sliding_attention"} if getattr(config, "sliding_window", None) else {"full_attention"}

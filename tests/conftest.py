@@ -59,6 +59,11 @@ STATE_FAMILIES = {
         attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1)),
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(layer_types=["conv", "full_attention", "conv"])),
     "mamba": ("MambaConfig", "MambaForCausalLM", dict(state_size=8)),
+    # Nemotron-H: Mamba 2, attention, and layers that do neither (MoE, MLP: "dummy" cache layers)
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        hybrid_override_pattern="ME*-", num_layers=4, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
+        n_groups=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, experts_implementation="eager")),
     # and sliding-window layers (window 5, shorter than a block): LFM3's conv layers, Lara-mini's linear attention,
     # Inkling's layers that keep a state and K/V, and whose attention counts distances in cache slots (their experts
 # run eagerly: grouped matmuls take no float64)

@@ -505,6 +505,23 @@ def test_right_padding_is_refused(small):
         speculate(target, speculator, "dflash", ids, torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]), max_new_tokens=4)
 
 
+def test_a_target_rotating_keys_by_cache_slot_is_refused_in_batches():
+    """RoFormer takes its rotary positions from the cache length, not from position ids: a batch's holes would shift
+    them (rows left plain batched generate's output before this refusal)."""
+    from transformers import RoFormerConfig, RoFormerForCausalLM
+
+    torch.manual_seed(0)
+    config = RoFormerConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, is_decoder=True, pad_token_id=0)
+    target = hf_specdiff.enable(RoFormerForCausalLM(config).eval())
+    speculator = make_speculator(target)
+    ids, mask = left_pad([torch.tensor([4, 9, 1]), torch.tensor([5, 6])])
+    with pytest.raises(ValueError, match="rotates each key by its cache slot.*Generate row by row"):
+        speculate(target, speculator, "xpress", ids, mask, max_new_tokens=4)
+    alone = speculate(target, speculator, "xpress", ids[:1], None, max_new_tokens=6, do_sample=False)  # batch 1: fine
+    assert torch.equal(alone.sequences, target.generate(ids[:1], max_new_tokens=6, do_sample=False))
+
+
 def test_what_batches_cannot_do_is_refused(small, monkeypatch):
     target, speculator = small
     ids, mask = left_pad([torch.tensor([4, 9, 1]), torch.tensor([5, 6])])

@@ -229,6 +229,27 @@ def test_from_target_rejects_unsupported_architectures():
         AutoSpeculator.from_target(target)
 
 
+@pytest.mark.parametrize("family", ["rwkv", "openai-gpt"])
+def test_a_target_that_keeps_no_cache_is_refused(family):
+    """RWKV keeps its state in an output of its own and GPT-1 keeps nothing: both take a cache and ignore it, so after
+    the prompt the loop would feed only the new tokens, read with no context (RWKV's output differed from plain greedy
+    on every prompt before this refusal)."""
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "rwkv":
+        target = transformers.RwkvForCausalLM(transformers.RwkvConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+            num_attention_heads=4))  # (RWKV has no heads: from_target reads the field for the drafter)
+    else:  # intermediate_size: the geometry field from_target reads (GPT-1's MLP is 4x wide)
+        target = transformers.OpenAIGPTLMHeadModel(transformers.OpenAIGPTConfig(
+            vocab_size=64, n_embd=32, n_layer=2, n_head=2, intermediate_size=128))
+    target = hf_specdiff.enable(target.eval())
+    speculator = make_speculator(target)
+    with pytest.raises(ValueError, match=f"{type(target).__name__} keeps nothing there .* without speculation"):
+        target.generate(PROMPT, max_new_tokens=5, assistant_model=speculator, speculation="dflash")
+
+
 def test_the_drafter_takes_the_targets_full_attention_rope():
     from types import SimpleNamespace
 
