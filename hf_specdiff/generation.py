@@ -361,6 +361,15 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
             "use num_beams=1."
         )
     _check_decoding_mode(generation_config)
+    text_config = model.config.get_text_config()
+    # A BERT-family LM head (BertLMHeadModel, RobertaForCausalLM, ...; their configs build an encoder or a decoder)
+    # attends both ways unless built as a decoder: a draft would change the target's logits for the tokens before it.
+    encoder = getattr(text_config, "is_decoder", None) is False
+    if encoder and getattr(text_config, "add_cross_attention", None) is not None:
+        raise ValueError(
+            f"{type(model).__name__} was built as an encoder (is_decoder=False), so its attention is not causal and "
+            "cannot verify drafts. Load it as a decoder: from_pretrained(path, is_decoder=True)."
+        )
     # The loop scores every draft position, rejected drafts included, and scores a position again after a rejection:
     # a processor must be a function of (input_ids, scores). transformers' processors that keep state across calls
     # would drift from plain decoding's (whether built from the config or passed in `logits_processor`).
@@ -373,7 +382,7 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                     f"Remove {option} or the processor (plain generate supports it; a WatermarkingConfig watermark "
                     "is stateless and works)."
                 )
-    if recurrent := sorted(_attention_types(model.config.get_text_config()) & _compat.RECURRENT_LAYER_TYPES):
+    if recurrent := sorted(_attention_types(text_config) & _compat.RECURRENT_LAYER_TYPES):
         if not _compat.recurrent_rollback_supported():
             raise ValueError(
                 f"speculation=... rolls the target back past rejected drafts, and this model's {recurrent} layers keep "
@@ -392,7 +401,7 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                 f"speculation=... with cache_implementation='static' decodes one sequence; got {batch}. "
                 "Use the default dynamic cache for batches, or generate row by row."
             )
-        if other := sorted(_attention_types(model.config.get_text_config()) - {"full_attention", "sliding_attention"}):
+        if other := sorted(_attention_types(text_config) - {"full_attention", "sliding_attention"}):
             raise ValueError(
                 f"speculation=... with cache_implementation='static' handles full and sliding-window attention; this "
                 f"model also has {other} layers. Use the default dynamic cache."
@@ -434,7 +443,6 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                 f"speculation=... streams a single sequence; got {batch} with a streamer. Drop "
                 "`streamer` or generate row by row."
             )
-        text_config = model.config.get_text_config()
         attention_types = _attention_types(text_config)
         handled = {"full_attention", "sliding_attention"} | _compat.STATE_LAYER_TYPES
         if other_attention := sorted(attention_types - handled):

@@ -250,6 +250,27 @@ def test_a_target_that_keeps_no_cache_is_refused(family):
         target.generate(PROMPT, max_new_tokens=5, assistant_model=speculator, speculation="dflash")
 
 
+def test_a_bert_lm_head_built_as_an_encoder_is_refused():
+    """BertLMHeadModel (and RoBERTa, XLM-R, ... heads) attend both ways unless their config says is_decoder=True: a
+    draft changes the logits of the tokens before it (its output differed from plain greedy on every prompt before
+    this refusal). Built as a decoder it is an ordinary causal LM and speculates losslessly."""
+    from transformers import BertConfig, BertLMHeadModel
+
+    for is_decoder in (False, True):
+        torch.manual_seed(0)
+        config = BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=2, is_decoder=is_decoder, pad_token_id=0)
+        target = hf_specdiff.enable(BertLMHeadModel(config).eval())
+        speculator = make_speculator(target)
+        kwargs = dict(max_new_tokens=8, do_sample=False)
+        if not is_decoder:
+            with pytest.raises(ValueError, match=r"built as an encoder .*from_pretrained\(path, is_decoder=True\)"):
+                target.generate(PROMPT, assistant_model=speculator, speculation="xpress", **kwargs)
+        else:
+            out = target.generate(PROMPT, assistant_model=speculator, speculation="xpress", **kwargs)
+            assert torch.equal(out, target.generate(PROMPT, **kwargs))
+
+
 def test_the_drafter_takes_the_targets_full_attention_rope():
     from types import SimpleNamespace
 
