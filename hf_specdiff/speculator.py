@@ -94,6 +94,7 @@ class Speculator(nn.Module):
         `placement` also requires the same device and dtype as the target's lm_head."""
         text_config = target.config.get_text_config()
         drafter = self.drafter.config
+        check_embedding_width(target)
         checks = [
             ("hidden size", drafter.hidden_size, text_config.hidden_size),
             ("vocabulary size", drafter.vocab_size, target.get_output_embeddings().weight.shape[0]),
@@ -239,6 +240,18 @@ class Speculator(nn.Module):
         return speculator.to(device) if device is not None else speculator
 
 
+
+def check_embedding_width(target) -> None:
+    """The drafter embeds its block with the target's token table and reads the target's hidden states: both must be
+    as wide. A factorised embedding (ELECTRA, RemBERT) is narrower."""
+    width, hidden = target.get_input_embeddings().weight.shape[1], target.config.get_text_config().hidden_size
+    if width != hidden:
+        raise ValueError(
+            f"{type(target).__name__}'s token embeddings are {width} wide and its hidden states {hidden} (a factorised "
+            "embedding, as in ELECTRA or RemBERT): a drafter needs both the same width. Generate without speculation."
+        )
+
+
 def saved_vocab_size(folder: str | os.PathLike) -> int:
     """The vocabulary size of the speculator (or bare z-lab drafter) saved in `folder`."""
     config_path = Path(folder) / "config.json"
@@ -381,6 +394,7 @@ class AutoSpeculator:
         `num_draft_layers` layers spread over the target's depth, as in the published drafters. `mask_token_id`
         defaults to the last row of the target's embedding table.
         """
+        check_embedding_width(target)
         text = target.config.get_text_config()
         if getattr(text, "is_heterogeneous", False) and "full_attention" in (getattr(text, "layer_types", None) or ()):
             # Gemma 4 sets head_dim and K/V heads per layer (and refuses to read one for all): the drafter, whose

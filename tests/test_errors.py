@@ -287,6 +287,20 @@ def test_the_drafter_takes_the_targets_full_attention_rope():
         full_attention_rope_parameters(SimpleNamespace(rope_parameters={"sliding_attention": sliding, "chunked": full}))
 
 
+def test_a_target_with_a_factorised_embedding_is_refused():
+    """ELECTRA's token embeddings are narrower than its hidden states; the drafter needs them as wide (it crashed
+    inside its first draft)."""
+    from transformers import ElectraConfig, ElectraForCausalLM
+
+    target = ElectraForCausalLM(ElectraConfig(vocab_size=64, embedding_size=16, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=2, num_attention_heads=2, is_decoder=True))
+    with pytest.raises(ValueError, match="embeddings are 16 wide and its hidden states 32"):
+        AutoSpeculator.from_target(target)
+    speculator = make_speculator(make_target(vocab_size=64, hidden_size=32, num_layers=2))  # built for another model
+    with pytest.raises(ValueError, match="embeddings are 16 wide and its hidden states 32"):
+        speculator.check_compatible(hf_specdiff.enable(target))
+
+
 def test_configs_validate_their_fields():
     with pytest.raises(ValueError, match="block_size"):
         hf_specdiff.XPressConfig(block_size=1)
