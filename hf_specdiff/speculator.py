@@ -240,7 +240,6 @@ class Speculator(nn.Module):
         return speculator.to(device) if device is not None else speculator
 
 
-
 def check_embedding_width(target) -> None:
     """The drafter embeds its block with the target's token table and reads the target's hidden states: both must be
     as wide. A factorised embedding (ELECTRA, RemBERT) is narrower."""
