@@ -116,10 +116,8 @@ def full_attention_rope_parameters(text_config) -> dict:
     rope = dict(getattr(text_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
     if "rope_type" not in rope:
         per_type = {kind: value for kind, value in rope.items() if isinstance(value, dict)}
-        if isinstance(per_type.get("full_attention"), dict):
-            rope = dict(per_type["full_attention"])
-        elif len(per_type) == 1:
-            rope = dict(next(iter(per_type.values())))
+        if "full_attention" in per_type or len(per_type) == 1:
+            rope = dict(per_type.get("full_attention") or next(iter(per_type.values())))
     if "rope_type" not in rope:
         raise ValueError(
             f"The target's rope_parameters {rope} name no `rope_type` (and no `full_attention` set, or more than one "

@@ -66,7 +66,7 @@ STATE_FAMILIES = {
         moe_shared_expert_intermediate_size=32, experts_implementation="eager")),
     # and sliding-window layers (window 5, shorter than a block): LFM3's conv layers, Lara-mini's linear attention,
     # Inkling's layers that keep a state and K/V, and whose attention counts distances in cache slots (their experts
-# run eagerly: grouped matmuls take no float64)
+    # run eagerly: grouped matmuls take no float64)
     "lfm3": ("Lfm3Config", "Lfm3ForCausalLM", dict(
         layer_types=["conv", "sliding_attention", "full_attention"], sliding_window=5, head_dim=16)),
     "lara_mini": ("LaraMiniConfig", "LaraMiniForCausalLM", dict(
