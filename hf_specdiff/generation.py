@@ -219,8 +219,10 @@ def speculative_decoding(
         compile_config=_compat.compile_config(model, generation_config) if compiled else None,
         num_draft_tokens=num_draft_tokens,
     )
-    if not static and hasattr(cache, "activate_past_recording"):  # keep what rolling back a verify forward needs
-        _compat.record_past(cache, tokens_per_forward=drafter.max_drafts + 1)  # (sliding, conv, recurrent layers)
+    # Keep what rolling back a verify forward needs (sliding, conv, recurrent layers), from the first verify forward on:
+    # a recorded prompt's last tokens would be scanned one by one, where plain decoding scans the whole prompt in
+    # chunks, and some models compute the two differently (Zamba 2 clamps a Mamba layer's time step in chunks only).
+    record_past = not static and hasattr(cache, "activate_past_recording")
     has_eos_criterion = any(hasattr(c, "eos_token_id") for c in stopping_criteria)  # as plain `generate` decides
     rows = RowBatch(input_ids, model_kwargs.get("attention_mask"), generation_config, pad_after_stop=has_eos_criterion,
                     attention_windows=attention_windows, mask_dtype=model.dtype,
@@ -266,6 +268,8 @@ def speculative_decoding(
                 f"speculation=... verifies drafts against the target's cache, and {type(model).__name__} keeps nothing "
                 "there (its forward ignores the cache, or keeps its state on the model). Generate without speculation."
             )
+        if first and record_past:
+            _compat.record_past(cache, tokens_per_forward=drafter.max_drafts + 1)
         end = outputs.logits.shape[1] - padding
         target_logits = outputs.logits[:, end - num_drafts - 1 : end].float()  # (b, n+1, V)
         if compiled:  # a compiled forward may reuse its output buffers at the next call (CUDA graphs)

@@ -64,6 +64,11 @@ STATE_FAMILIES = {
         hybrid_override_pattern="ME*-", num_layers=4, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
         n_groups=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=32, experts_implementation="eager")),
+    # Zamba 2: Mamba 2 layers and hybrid ones (a shared attention block before the Mamba 2 mixer), whose time step is
+    # clamped when a forward scans its tokens in chunks (the prompt), not when it scans them one by one
+    "zamba2": ("Zamba2Config", "Zamba2ForCausalLM", dict(
+        num_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], n_mamba_heads=4, mamba_headdim=32,
+        mamba_d_state=16, mamba_ngroups=1, use_mamba_kernels=False)),
     # and sliding-window layers (window 5, shorter than a block): LFM3's conv layers, Lara-mini's linear attention,
     # Inkling's layers that keep a state and K/V, and whose attention counts distances in cache slots (their experts
     # run eagerly: grouped matmuls take no float64)
