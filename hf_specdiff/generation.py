@@ -374,6 +374,12 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
             f"{type(model).__name__} was built as an encoder (is_decoder=False), so its attention is not causal and "
             "cannot verify drafts. Load it as a decoder: from_pretrained(path, is_decoder=True)."
         )
+    if text_config.model_type in _WHOLE_SEQUENCE_MODEL_TYPES:
+        raise ValueError(
+            f"speculation=... feeds the target only the tokens its cache lacks, and {type(model).__name__}'s forward "
+            "takes the whole sequence at every step (it drops what its cache holds itself). Generate without "
+            "speculation."
+        )
     # The loop scores every draft position, rejected drafts included, and scores a position again after a rejection:
     # a processor must be a function of (input_ids, scores). transformers' processors that keep state across calls
     # would drift from plain decoding's (whether built from the config or passed in `logits_processor`).
@@ -528,6 +534,9 @@ _SLOT_DISTANCE_MODEL_TYPES = {"inkling_text", "inkling2_text", "inkling2_loop_te
 # Targets whose rotary embedding takes each token's position from its cache slot (RoFormer ignores position ids), baked
 # into the cached keys: neither holes nor compaction keep a batch's rows right, so batches are refused.
 _SLOT_ROTATED_MODEL_TYPES = {"roformer"}
+# Targets whose forward expects every token so far and cuts off as many as its cache holds (XLM): fed only new tokens,
+# it keeps fewer still and fails inside its attention.
+_WHOLE_SEQUENCE_MODEL_TYPES = {"xlm"}
 
 
 def _attention_windows(config) -> dict[str, int | None | bool] | None:

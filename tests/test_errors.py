@@ -250,6 +250,21 @@ def test_a_target_that_keeps_no_cache_is_refused(family):
         target.generate(PROMPT, max_new_tokens=5, assistant_model=speculator, speculation="dflash")
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_target_whose_forward_wants_the_whole_sequence_is_refused(causal):
+    """XLM's forward takes every token so far and drops as many as its cache holds: fed only a verify block, it failed
+    inside its attention with an AssertionError."""
+    from transformers import XLMConfig, XLMWithLMHeadModel
+
+    torch.manual_seed(0)
+    config = XLMConfig(vocab_size=64, emb_dim=32, n_layers=2, n_heads=2, causal=causal, pad_index=2,
+                       intermediate_size=64, num_attention_heads=2)  # (the geometry fields from_target reads)
+    target = hf_specdiff.enable(XLMWithLMHeadModel(config).eval())
+    speculator = make_speculator(target)
+    with pytest.raises(ValueError, match="XLMWithLMHeadModel's forward takes the whole sequence .* without speculation"):
+        target.generate(PROMPT, max_new_tokens=5, assistant_model=speculator, speculation="dflash")
+
+
 def test_a_bert_lm_head_built_as_an_encoder_is_refused():
     """BertLMHeadModel (and RoBERTa, XLM-R, ... heads) attend both ways unless their config says is_decoder=True: a
     draft changes the logits of the tokens before it (its output differed from plain greedy on every prompt before
