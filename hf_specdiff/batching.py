@@ -17,11 +17,12 @@ chosen because nothing is ever recomputed and every verify forward stays one blo
 - Layers keeping a state instead of K/V (linear attention, state-space mixers, short convolutions: Qwen3.5, Bamba,
   LFM2, ...) have no slots, so nothing to mask: each row's state is put back to what it was after the row's own last
   kept token (`_compat.roll_back_rows`, from the per-token states transformers records).
-- Sliding-window layers (Gemma 2 / 3, Mistral): transformers measures a window in cache slots, which holes would
-  stretch, and its sliding cache layers drop the slots past one window, which a row behind the others still needs.
+- Sliding-window layers (Gemma 2 / 3, Mistral) and chunked-attention ones (Llama 4): transformers measures a window
+  in cache slots, which holes would stretch, and its sliding cache layers (chunked ones too) drop the slots past one
+  window, which a row behind the others still needs.
   So such a target gets a cache that keeps every slot in every attention layer, and verify forwards with holes get
-  explicit 4D masks (`windowed_masks`) whose windows count each row's own tokens, as they would for the row alone
-  (its layers keeping a state, if any, get none: every token fed after the prompt is real).
+  explicit 4D masks (`windowed_masks`) whose windows and chunks count each row's own tokens, as they would for the
+  row alone (its layers keeping a state, if any, get none: every token fed after the prompt is real).
 - A target whose attention counts the distance between a query and a key in cache slots rather than by position ids
   (Inkling's relative-position logits) would see a hole as a token: its caches are compacted at every step that
   leaves one (`compact_every_step`), which costs a gather of both caches per such step.
@@ -31,6 +32,8 @@ exactly as in single-sequence speculative decoding.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -59,12 +62,20 @@ def last_tokens(sequence: torch.LongTensor, lengths: list[int] | None, n: int) -
     return sequence.gather(1, index)
 
 
+@dataclass(frozen=True)
+class AttentionChunks:
+    """Chunked attention (Llama 4): a query sees the keys before it in its own chunk of `size` positions."""
+
+    size: int
+
+
 def windowed_masks(key_mask: torch.Tensor, query_positions: torch.LongTensor,
-                   attention_windows: dict[str, int | None | bool],
+                   attention_windows: dict[str, int | AttentionChunks | None | bool],
                    dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor | None]:
     """Additive 4D masks (b, 1, n, keys) for a verify forward over a cache with holes: a query at position p sees its
     row's keys at positions q with p - window < q <= p (transformers' sliding window, counted in the row's tokens
-    rather than in cache slots; window None: q <= p; False: a layer keeping a state, which gets no mask). `key_mask`
+    rather than in cache slots; window None: q <= p; chunks of size c: q <= p in the same chunk, q // c == p // c;
+    False: a layer keeping a state, which gets no mask). `key_mask`
     (b, keys) marks the row's own keys, the queries' among them; `query_positions` (b, n). One mask per layer type (a
     dict, as transformers' models take them), or the mask alone for a model with one layer type."""
     key_positions = key_mask.cumsum(-1) - 1  # a row's own keys are in order, so the count before one is its position
@@ -76,7 +87,12 @@ def windowed_masks(key_mask: torch.Tensor, query_positions: torch.LongTensor,
         if window is False:
             masks[layer_type] = None
             continue
-        seen = visible if window is None else visible & (offset < window)
+        if window is None:
+            seen = visible
+        elif isinstance(window, AttentionChunks):
+            seen = visible & (query_positions[:, :, None] // window.size == key_positions[:, None, :] // window.size)
+        else:
+            seen = visible & (offset < window)
         additive = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, blocked)
         masks[layer_type] = additive[:, None]  # (b, 1, n, keys): one mask for all heads
     return masks if len(masks) > 1 else next(iter(masks.values()))
@@ -95,7 +111,7 @@ class RowBatch:
     """
 
     def __init__(self, input_ids: torch.LongTensor, attention_mask, generation_config, pad_after_stop: bool,
-                 attention_windows: dict[str, int | None | bool] | None = None,
+                 attention_windows: dict[str, int | AttentionChunks | None | bool] | None = None,
                  mask_dtype: torch.dtype = torch.float32, compact_every_step: bool = False):
         batch, width = input_ids.shape
         # {mask key: its window, None for full attention, False for none} when the target has sliding-window layers

@@ -50,7 +50,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import _compat
 from ._cpu_linear import few_row_linears
-from .batching import RowBatch
+from .batching import AttentionChunks, RowBatch
 from .candidates import BlockDiffusionCandidateGenerator, SpeculationStats, process_logits, synchronize
 
 SPECULATION_METHODS = ("xpress", "dflash", "markov")
@@ -454,17 +454,17 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                 "`streamer` or generate row by row."
             )
         attention_types = _attention_types(text_config)
-        handled = {"full_attention", "sliding_attention"} | _compat.STATE_LAYER_TYPES
+        handled = {"full_attention"} | _WINDOWED_LAYER_TYPES | _compat.STATE_LAYER_TYPES
         if other_attention := sorted(attention_types - handled):
             raise ValueError(
-                f"speculation=... with a batch handles full and sliding-window attention and layers keeping a "
-                f"recurrent or conv state; this model also has {other_attention} layers. Generate row by row."
+                f"speculation=... with a batch handles full, sliding-window and chunked attention and layers keeping "
+                f"a recurrent or conv state; this model also has {other_attention} layers. Generate row by row."
             )
         implementation = getattr(text_config, "_attn_implementation", None)
-        if attention_types & _SLIDING_LAYER_TYPES and implementation not in ("eager", "sdpa"):
+        if attention_types & _WINDOWED_LAYER_TYPES and implementation not in ("eager", "sdpa"):
             raise ValueError(
-                f"speculation=... with a batch gives a sliding-window model's layers their own 4D masks, which "
-                f"attn_implementation={implementation!r} does not take. Load the model with "
+                f"speculation=... with a batch gives a sliding-window or chunked-attention model's layers their own "
+                f"4D masks, which attn_implementation={implementation!r} does not take. Load the model with "
                 "attn_implementation='sdpa' (or 'eager'), or generate row by row."
             )
         if text_config.model_type in _SLOT_ROTATED_MODEL_TYPES:
@@ -528,6 +528,7 @@ def _check_decoding_mode(generation_config) -> None:
 
 
 _SLIDING_LAYER_TYPES = {"sliding_attention", "hybrid_sliding"}
+_WINDOWED_LAYER_TYPES = _SLIDING_LAYER_TYPES | {"chunked_attention"}  # each row's window or chunk masked per row
 # Targets whose attention reads the distance between a query and a key off their cache slots rather than their position
 # ids (Inkling's relative-position logits, 5.17 to 5.25): a batch's cache must never hold holes between a row's tokens.
 _SLOT_DISTANCE_MODEL_TYPES = {"inkling_text", "inkling2_text", "inkling2_loop_text"}
@@ -539,20 +540,23 @@ _SLOT_ROTATED_MODEL_TYPES = {"roformer"}
 _WHOLE_SEQUENCE_MODEL_TYPES = {"xlm"}
 
 
-def _attention_windows(config) -> dict[str, int | None | bool] | None:
-    """For a model with sliding-window layers, what its layers see in a batch's verify forwards, by the key its forward
-    looks their mask up by: {key: window (None: full attention, False: no mask)}; None for a model without.
+def _attention_windows(config) -> dict[str, int | AttentionChunks | None | bool] | None:
+    """For a model with sliding-window or chunked-attention layers, what its layers see in a batch's verify forwards,
+    by the key its forward looks their mask up by: {key: window, or its chunks (None: full attention, False: no
+    mask)}; None for a model without.
 
     Layers keeping a state read their mask as the padding of the tokens fed ("conv" and "linear_attention" masks, also
     for the state half of a "hybrid" layer), and after the prompt every token fed is real: no mask. A "hybrid" or
     "hybrid_sliding" layer's attention reads the mask of its own type or of the plain attention type, by model."""
     types = _attention_types(config)
-    if not types & _SLIDING_LAYER_TYPES:
+    if not types & _WINDOWED_LAYER_TYPES:
         return None
     windows = {}
     for kind in sorted(types):
         window = config.sliding_window if kind in _SLIDING_LAYER_TYPES else None
-        if kind in ("conv", "linear_attention"):
+        if kind == "chunked_attention":
+            windows[kind] = AttentionChunks(config.attention_chunk_size)
+        elif kind in ("conv", "linear_attention"):
             windows[kind] = False
         elif kind in ("hybrid", "hybrid_sliding"):
             attention = "sliding_attention" if kind == "hybrid_sliding" else "full_attention"

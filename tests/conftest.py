@@ -43,7 +43,8 @@ def make_successor_target(layer_scale=12.0, logit_scale=1.0, vocab_size=VOCAB, *
         target.lm_head.weight.copy_(logit_scale * torch.eye(vocab_size, target.config.hidden_size).roll(1, dims=0))
         for layer in target.model.layers:
             layer.self_attn.o_proj.weight.mul_(layer_scale)
-            layer.mlp.down_proj.weight.mul_(layer_scale)
+            if hasattr(layer, "mlp"):  # (Llama 4's layers have experts instead: their attention's noise serves)
+                layer.mlp.down_proj.weight.mul_(layer_scale)
     return target
 
 

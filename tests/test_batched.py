@@ -76,11 +76,16 @@ def assert_rows_exact(target, speculator, method, prompts, check_row_stats=True,
 
 
 # Sliding-window families: Mistral (every layer windowed: one mask) and Gemma 3 (sliding and full layers: a mask per
-# layer type; RoPE per layer type). The window (5) is shorter than a block, so holes fall inside windows.
+# layer type; RoPE per layer type). The window (5) is shorter than a block, so holes fall inside windows. Llama 4's
+# chunked attention (chunks of 5 positions, then a full-attention layer without RoPE): holes fall inside chunks.
 SLIDING_TARGETS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 5}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                {"sliding_window": 5, "head_dim": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               {"attention_chunk_size": 5, "head_dim": 16, "layer_types": ["chunked_attention"] * 3 + ["full_attention"],
+                "intermediate_size_mlp": 128, "num_local_experts": 2, "num_experts_per_tok": 1,
+                "experts_implementation": "eager", "layer_scale": 8.0}),  # (its experts stay unscaled)
 }
 
 
@@ -88,15 +93,17 @@ SLIDING_TARGETS = {
 @pytest.mark.parametrize("family", SLIDING_TARGETS)
 def test_sliding_window_rows_equal_row_by_row(family, attention, record_drafts, monkeypatch):
     """Rows accept different runs, so the cache holds holes inside the rows' windows; each row still sees exactly its
-    last `sliding_window` tokens, as alone and as in plain batched generate. (Eager in float32: transformers' eager
-    attention turns a float64 left-padded row into NaNs, in plain generate too.)"""
+    last `sliding_window` tokens (or those of its chunk), as alone and as in plain batched generate. (Eager in float32:
+    transformers' eager attention turns a float64 left-padded row into NaNs, in plain generate too.)"""
     import transformers
 
     config_name, model_name, fields = SLIDING_TARGETS[family]
+    fields = dict(fields)
+    layer_scale = fields.pop("layer_scale", 12.0)
     target = hf_specdiff.enable(make_successor_target(
-        eos_token_id=17, config_class=getattr(transformers, config_name), model_class=getattr(transformers, model_name),
-        num_layers=len(fields.get("layer_types", [None] * 3)), attn_implementation=attention,
-        dtype=torch.float64 if attention == "sdpa" else torch.float32, **fields,
+        layer_scale, eos_token_id=17, config_class=getattr(transformers, config_name),
+        model_class=getattr(transformers, model_name), num_layers=len(fields.get("layer_types", [None] * 3)),
+        attn_implementation=attention, dtype=torch.float64 if attention == "sdpa" else torch.float32, **fields,
     ))
     speculator = make_speculator(target, oracle=True)
     windowed = []
@@ -530,10 +537,11 @@ def test_what_batches_cannot_do_is_refused(small, monkeypatch):
     with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
         speculate(target, speculator, "xpress", ids, mask, max_new_tokens=4,
                   prefix_allowed_tokens_fn=lambda batch_id, sequence: list(range(VOCAB)))
-    # layer types as a Llama 4 declares them (chunked attention), then a sliding-window model under flash attention
-    layer_types = {"chunked_attention", "full_attention"}
+    # layer types as a HY v4 declares them (attention over indexed keys), then a sliding-window model under flash
+    # attention
+    layer_types = {"indexed_attention", "full_attention"}
     monkeypatch.setattr(hf_specdiff.generation, "_attention_types", lambda config: layer_types)
-    with pytest.raises(ValueError, match=r"recurrent or conv state; this model also has \['chunked_"):
+    with pytest.raises(ValueError, match=r"recurrent or conv state; this model also has \['indexed_"):
         speculate(target, speculator, "xpress", ids, mask, max_new_tokens=4)
     layer_types = {"sliding_attention", "conv", "full_attention"}  # windows and states in one model (LFM3)
     target.config._attn_implementation = "flash_attention_2"  # checked before any forward
