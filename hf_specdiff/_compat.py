@@ -276,8 +276,9 @@ def compile_config_for_all_devices():
 
 def new_static_cache(config, max_cache_len: int) -> StaticCache:
     """An empty static cache for a model with this config (tensors allocated at the first write), every layer a full
-    `StaticLayer`: a sliding-window layer's ring buffer overwrites slots that a roll-back would need again. Windows
-    still hold: transformers' masks apply them, counting cache slots, which at batch size 1 are positions."""
+    `StaticLayer`: a sliding-window (or chunked) layer's ring buffer overwrites slots that a roll-back would need
+    again. Windows and chunks still hold: transformers' masks apply them, counting cache slots, which at batch size 1
+    are positions."""
     cache = StaticCache(config=config, max_cache_len=max_cache_len)
     cache.layers = [StaticLayer(max_cache_len=max_cache_len) if getattr(layer, "is_sliding", False) else layer
                     for layer in cache.layers]

@@ -411,10 +411,10 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                 f"speculation=... with cache_implementation='static' decodes one sequence; got {batch}. "
                 "Use the default dynamic cache for batches, or generate row by row."
             )
-        if other := sorted(_attention_types(text_config) - {"full_attention", "sliding_attention"}):
+        if other := sorted(_attention_types(text_config) - {"full_attention", "sliding_attention", "chunked_attention"}):
             raise ValueError(
-                f"speculation=... with cache_implementation='static' handles full and sliding-window attention; this "
-                f"model also has {other} layers. Use the default dynamic cache."
+                f"speculation=... with cache_implementation='static' handles full, sliding-window and chunked "
+                f"attention; this model also has {other} layers. Use the default dynamic cache."
             )
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError(

@@ -102,9 +102,9 @@ def test_static_cache_limits(target, speculator, monkeypatch):
     cache = StaticCache(config=target.config, max_cache_len=64)
     with pytest.raises(ValueError, match="cache_implementation='static' instead"):
         generate(target, speculator, past_key_values=cache)
-    # layer types as a Llama 4 declares them: chunked attention is neither full nor a sliding window
-    monkeypatch.setattr(hf_specdiff.generation, "_attention_types", lambda config: {"chunked_attention"})
-    with pytest.raises(ValueError, match=r"full and sliding-window attention; this model also has \['chunked_"):
+    # layer types as a HY v4 declares them: attention over indexed keys is neither full, windowed nor chunked
+    monkeypatch.setattr(hf_specdiff.generation, "_attention_types", lambda config: {"indexed_attention"})
+    with pytest.raises(ValueError, match=r"chunked attention; this model also has \['indexed_"):
         generate(target, speculator, cache_implementation="static")
 
 
