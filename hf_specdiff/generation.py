@@ -374,11 +374,10 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
             f"{type(model).__name__} was built as an encoder (is_decoder=False), so its attention is not causal and "
             "cannot verify drafts. Load it as a decoder: from_pretrained(path, is_decoder=True)."
         )
-    if text_config.model_type in _WHOLE_SEQUENCE_MODEL_TYPES:
+    if reason := _REFUSED_MODEL_TYPES.get(text_config.model_type):
         raise ValueError(
-            f"speculation=... feeds the target only the tokens its cache lacks, and {type(model).__name__}'s forward "
-            "takes the whole sequence at every step (it drops what its cache holds itself). Generate without "
-            "speculation."
+            f"speculation=... feeds the target only the tokens its cache lacks and rolls the cache back past rejected "
+            f"drafts, and {type(model).__name__} {reason}. Generate without speculation."
         )
     # The loop scores every draft position, rejected drafts included, and scores a position again after a rejection:
     # a processor must be a function of (input_ids, scores). transformers' processors that keep state across calls
@@ -535,9 +534,12 @@ _SLOT_DISTANCE_MODEL_TYPES = {"inkling_text", "inkling2_text", "inkling2_loop_te
 # Targets whose rotary embedding takes each token's position from its cache slot (RoFormer ignores position ids), baked
 # into the cached keys: neither holes nor compaction keep a batch's rows right, so batches are refused.
 _SLOT_ROTATED_MODEL_TYPES = {"roformer"}
-# Targets whose forward expects every token so far and cuts off as many as its cache holds (XLM): fed only new tokens,
-# it keeps fewer still and fails inside its attention.
-_WHOLE_SEQUENCE_MODEL_TYPES = {"xlm"}
+# Targets the loop cannot drive, by what they do instead (each failed inside the model before this refusal).
+_REFUSED_MODEL_TYPES = {
+    # fed only new tokens, XLM cuts off as many as its cache holds
+    "xlm": "takes the whole sequence at every step (its forward drops what its cache holds itself)",
+    "minimax": "keeps its lightning-attention state in a cache of its own, which cannot be rolled back",
+}
 
 
 def _attention_windows(config) -> dict[str, int | AttentionChunks | None | bool] | None:

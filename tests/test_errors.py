@@ -250,18 +250,26 @@ def test_a_target_that_keeps_no_cache_is_refused(family):
         target.generate(PROMPT, max_new_tokens=5, assistant_model=speculator, speculation="dflash")
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_a_target_whose_forward_wants_the_whole_sequence_is_refused(causal):
-    """XLM's forward takes every token so far and drops as many as its cache holds: fed only a verify block, it failed
-    inside its attention with an AssertionError."""
-    from transformers import XLMConfig, XLMWithLMHeadModel
+@pytest.mark.parametrize("family", ["xlm-causal", "xlm", "minimax"])
+def test_targets_the_loop_cannot_drive_are_refused(family):
+    """XLM's forward takes every token so far and drops as many as its cache holds (fed only a verify block, it failed
+    inside its attention); MiniMax keeps its lightning-attention state in its own cache, which cannot crop (it failed
+    at the first forward, refusing the loop's cache). Both are refused before any work."""
+    import transformers
 
     torch.manual_seed(0)
-    config = XLMConfig(vocab_size=64, emb_dim=32, n_layers=2, n_heads=2, causal=causal, pad_index=2,
-                       intermediate_size=64, num_attention_heads=2)  # (the geometry fields from_target reads)
-    target = hf_specdiff.enable(XLMWithLMHeadModel(config).eval())
+    if family.startswith("xlm"):  # (intermediate_size, num_attention_heads: the geometry fields from_target reads)
+        target = transformers.XLMWithLMHeadModel(transformers.XLMConfig(
+            vocab_size=64, emb_dim=32, n_layers=2, n_heads=2, causal=family == "xlm-causal", pad_index=2,
+            intermediate_size=64, num_attention_heads=2))
+    else:
+        target = transformers.MiniMaxForCausalLM(transformers.MiniMaxConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention"],
+            num_local_experts=2, num_experts_per_tok=1))
+    target = hf_specdiff.enable(target.eval())
     speculator = make_speculator(target)
-    with pytest.raises(ValueError, match="XLMWithLMHeadModel's forward takes the whole sequence .* without speculation"):
+    with pytest.raises(ValueError, match=f"{type(target).__name__} (takes|keeps) .* without speculation"):
         target.generate(PROMPT, max_new_tokens=5, assistant_model=speculator, speculation="dflash")
 
 
