@@ -114,7 +114,7 @@ class RowBatch:
                  attention_windows: dict[str, int | AttentionChunks | None | bool] | None = None,
                  mask_dtype: torch.dtype = torch.float32, compact_every_step: bool = False):
         batch, width = input_ids.shape
-        # {mask key: its window, None for full attention, False for none} when the target has sliding-window layers
+        # {mask key: its window or chunks, None for full attention, False for none} when the target has windowed layers
         self.attention_windows, self.mask_dtype = attention_windows, mask_dtype
         # a target whose attention counts distances in cache slots rather than position ids needs a cache without holes
         self.compact_every_step = compact_every_step

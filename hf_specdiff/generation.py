@@ -410,7 +410,7 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                 f"speculation=... with cache_implementation='static' decodes one sequence; got {batch}. "
                 "Use the default dynamic cache for batches, or generate row by row."
             )
-        if other := sorted(_attention_types(text_config) - {"full_attention", "sliding_attention", "chunked_attention"}):
+        if other := sorted(_attention_types(text_config) - {"full_attention"} - _STATIC_WINDOWED_LAYER_TYPES):
             raise ValueError(
                 f"speculation=... with cache_implementation='static' handles full, sliding-window and chunked "
                 f"attention; this model also has {other} layers. Use the default dynamic cache."
@@ -528,6 +528,7 @@ def _check_decoding_mode(generation_config) -> None:
 
 _SLIDING_LAYER_TYPES = {"sliding_attention", "hybrid_sliding"}
 _WINDOWED_LAYER_TYPES = _SLIDING_LAYER_TYPES | {"chunked_attention"}  # each row's window or chunk masked per row
+_STATIC_WINDOWED_LAYER_TYPES = {"sliding_attention", "chunked_attention"}  # full-length static layers, masks by slot
 # Targets whose attention reads the distance between a query and a key off their cache slots rather than their position
 # ids (Inkling's relative-position logits, 5.17 to 5.25): a batch's cache must never hold holes between a row's tokens.
 _SLOT_DISTANCE_MODEL_TYPES = {"inkling_text", "inkling2_text", "inkling2_loop_text"}
@@ -536,7 +537,6 @@ _SLOT_DISTANCE_MODEL_TYPES = {"inkling_text", "inkling2_text", "inkling2_loop_te
 _SLOT_ROTATED_MODEL_TYPES = {"roformer"}
 # Targets the loop cannot drive, by what they do instead (each failed inside the model before this refusal).
 _REFUSED_MODEL_TYPES = {
-    # fed only new tokens, XLM cuts off as many as its cache holds
     "xlm": "takes the whole sequence at every step (its forward drops what its cache holds itself)",
     "minimax": "keeps its lightning-attention state in a cache of its own, which cannot be rolled back",
 }

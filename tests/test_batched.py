@@ -83,9 +83,10 @@ SLIDING_TARGETS = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                {"sliding_window": 5, "head_dim": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
-               {"attention_chunk_size": 5, "head_dim": 16, "layer_types": ["chunked_attention"] * 3 + ["full_attention"],
-                "intermediate_size_mlp": 128, "num_local_experts": 2, "num_experts_per_tok": 1,
-                "experts_implementation": "eager", "layer_scale": 8.0}),  # (its experts stay unscaled)
+               {"attention_chunk_size": 5, "head_dim": 16,
+                "layer_types": ["chunked_attention"] * 3 + ["full_attention"], "intermediate_size_mlp": 128,
+                "num_local_experts": 2, "num_experts_per_tok": 1, "experts_implementation": "eager",
+                "layer_scale": 8.0}),  # (its experts stay unscaled)
 }
 
 

@@ -95,7 +95,8 @@ TARGET_FAMILIES = {
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "experts_implementation": "eager"}),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", {  # chunks of 5 positions, then a layer without RoPE
         "head_dim": 16, "attention_chunk_size": 5, "layer_types": ["chunked_attention"] * 2 + ["full_attention"],
-        "intermediate_size_mlp": 128, "num_local_experts": 2, "num_experts_per_tok": 1, "experts_implementation": "eager"}),
+        "intermediate_size_mlp": 128, "num_local_experts": 2, "num_experts_per_tok": 1,
+        "experts_implementation": "eager"}),
 }
 
 
