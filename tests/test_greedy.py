@@ -179,7 +179,7 @@ def test_targets_with_recurrent_or_conv_state_roll_it_back(family, monkeypatch):
                 stats = assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=30)
                 accepted.update(stats.accepted_lengths)
     assert len(accepted) >= 5, f"roll-backs of too few depths: accepted lengths {sorted(accepted)}"
-    with pytest.raises(ValueError, match="with cache_implementation='static' handles full and sliding-window"):
+    with pytest.raises(ValueError, match="with cache_implementation='static' handles full, sliding-window and chunked"):
         target.generate(torch.tensor([[4, 7, 1]]), max_new_tokens=5, assistant_model=speculator,
                         speculation="xpress", cache_implementation="static")
 
