@@ -35,6 +35,7 @@ from transformers.generation.streamers import BaseStreamer
 from . import _cpu_linear
 from .batching import until_stop
 from .candidates import synchronize
+from .diffusion.decoding import CACHE_MODES, REMASKING_RULES
 
 DATASETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt_bench")
 _FILES = {
@@ -50,50 +51,64 @@ _FILES = {
 class BenchConfig:
     """Options of `hf-specdiff bench` (the CLI mirrors these fields)."""
 
-    datasets: list[str] = field(default_factory=lambda: ["gsm8k"])
-    prompts: str | None = None  # a JSONL file with a `prompt` string or a `messages` list per line
-    data_dir: str | None = None  # folder holding the benchmark JSONL files; default: $HF_SPECDIFF_DATA or shared/data
-    limit: int = 10  # prompts per dataset, or from --prompts (0: all of them)
-    seed: int = 0  # order in which prompts are drawn
-    # of ar, ar_static, dflash, xpress, markov, dflash_static, xpress_static, dflash_hf, prompt_lookup; ar is always
-    # run (the reference)
-    methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "xpress", "markov"])
-    jacobi_passes: list[int] = field(default_factory=lambda: [4])  # K values for xpress
-    num_draft_tokens: int | None = None  # drafts offered per block by dflash / xpress / markov; None: all B-1
-    max_new_tokens: int = 128
-    # batch sizes: [1] measures prompt by prompt (prefill split out, every method); several (e.g. 1 4 16 32 64) measure
-    # the batch curve of ar, ar_static, dflash, xpress and markov on left-padded batches (see bench_batched)
-    batch_size: list[int] = field(default_factory=lambda: [1])
-    # 0: greedy, losslessness checked per token; > 0: sampled, checked by a permutation test on log-probabilities
-    temperature: float = 0.0
-    # torch.compile of ar_static, dflash_static and xpress_static: None lets transformers decide (it compiles on
-    # cuda/xpu/neuron/tpu, not on the CPU);
-    # True compiles on any device (on 2 CPU cores SmolLM2-135M takes ~40-50 s to compile, then decodes ~15% faster);
-    # False never compiles
-    compile: bool | None = None
-    # local folder or Hub id; None: the embedded SmolLM2-135M-Instruct (diffusion methods: the diffusion LM shipped
-    # for it)
-    target: str | None = None
-    speculator: str | None = None  # None: the speculator shipped for the embedded target
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype: str = "float32"
-    tie_tolerance: float = 1e-3  # logit gap under which a greedy divergence counts as a floating-point near-tie
+    datasets: list[str] = field(default_factory=lambda: ["gsm8k"], metadata={
+        "help": "benchmark sets whose prompts are run", "choices": DATASETS})
+    prompts: str | None = field(default=None, metadata={"help": (
+        "your own prompts instead of --datasets: a JSONL file with a `prompt` string or a `messages` list per line")})
+    data_dir: str | None = field(default=None, metadata={"help": (
+        "folder holding the benchmark JSONL files; None: $HF_SPECDIFF_DATA, else ./shared/data or ../shared/data")})
+    limit: int = field(default=10, metadata={"help": "prompts per dataset, or from --prompts (0: all of them)"})
+    seed: int = field(default=0, metadata={"help": "order in which prompts are drawn"})
+    methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "xpress", "markov"], metadata={"help": (
+        "any of ar, ar_static, dflash, xpress, markov, dflash_static, xpress_static, dflash_hf, prompt_lookup; ar is "
+        "always run (the reference). For a diffusion LM (--target): steps, threshold, spiffy, spiffy_threshold, "
+        "ar_base")})
+    jacobi_passes: list[int] = field(default_factory=lambda: [4], metadata={"help": (
+        "K, xPress's refinement passes per block; several values give one xpress row each")})
+    num_draft_tokens: int | None = field(default=None, metadata={"help": (
+        "drafts offered per block by dflash / xpress / markov; None: all B-1 (on a CPU 3 can be faster)")})
+    max_new_tokens: int = field(default=128, metadata={"help": "tokens generated per prompt"})
+    batch_size: list[int] = field(default_factory=lambda: [1], metadata={"help": (
+        "1 measures prompt by prompt (prefill split out, every method); several (e.g. 1 4 16 32 64) measure the "
+        "batch curve of ar, ar_static, dflash, xpress and markov on left-padded batches")})
+    temperature: float = field(default=0.0, metadata={"help": (
+        "0: greedy, losslessness checked per token; > 0: sampled, checked by a permutation test on log-probabilities")})
+    compile: bool | None = field(default=None, metadata={"help": (
+        "torch.compile of ar_static, dflash_static and xpress_static. Unset: transformers decides (it compiles on "
+        "cuda/xpu/neuron/tpu, not on the CPU); --compile compiles on any device (on 2 CPU cores SmolLM2-135M takes "
+        "~40-50 s to compile, then decodes ~15% faster); --no-compile never compiles")})
+    target: str | None = field(default=None, metadata={"help": (
+        "the target: local folder or Hub id; None: the embedded SmolLM2-135M-Instruct (diffusion methods: the "
+        "diffusion LM shipped for it)")})
+    speculator: str | None = field(default=None, metadata={"help": (
+        "a saved speculator's folder or Hub id; None: the speculator shipped for the embedded target")})
+    device: str = field(default="cuda" if torch.cuda.is_available() else "cpu", metadata={"help": (
+        "torch device the models run on")})
+    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     # (in bf16 / fp16 at least NEAR_TIE_ULPS units of the dtype's rounding at the logits' size)
-    # Diffusion LMs: methods steps, threshold, spiffy, spiffy_threshold, ar_base (see bench_diffusion); --target names
-    # the model
-    block_length: int = 32
-    steps: int | None = None  # denoising steps over the answer; None: one token per step
-    remasking: str = "low_confidence"
-    threshold: float = 0.9  # Fast-dLLM threshold of the *_threshold methods
-    cache: str = "dual"  # none, prefix, dual, block (dual and block are exact for Spiffy)
-    max_drafts: int = 8  # Spiffy's D*
-    draft_graph: str | None = None  # folder with spiffy_graph.json; default: the one beside the model
-    # the causal LM the diffusion LM was adapted from (ar_base method, base perplexity of the answers); default: the
-    # base an adapter artifact names
-    base: str | None = None
-    json: str | None = None  # write the full results here
-    markdown: str | None = None  # write the table here
-    plots: str | None = None  # write PNG plots (speedup, accepted lengths, acceptance by position) to this folder
+    tie_tolerance: float = field(default=1e-3, metadata={"help": (
+        "logit gap under which a greedy divergence from plain generate counts as a floating-point near-tie, not a "
+        "mismatch")})
+    # Diffusion LMs only (methods steps, threshold, spiffy, spiffy_threshold, ar_base; see bench_diffusion)
+    block_length: int = field(default=32, metadata={"help": "diffusion LMs: semi-autoregressive block size"})
+    steps: int | None = field(default=None, metadata={"help": (
+        "diffusion LMs: denoising steps over the answer; None: one token per step")})
+    remasking: str = field(default="low_confidence", metadata={
+        "help": "diffusion LMs: which masked positions are unmasked first", "choices": REMASKING_RULES})
+    threshold: float = field(default=0.9, metadata={"help": (
+        "diffusion LMs: Fast-dLLM confidence threshold of the threshold and spiffy_threshold methods")})
+    cache: str = field(default="dual", metadata={
+        "help": "diffusion LMs: key/value cache (dual and block are exact for Spiffy)", "choices": CACHE_MODES})
+    max_drafts: int = field(default=8, metadata={"help": "Spiffy: drafts verified per forward (D*)"})
+    draft_graph: str | None = field(default=None, metadata={"help": (
+        "Spiffy: folder with spiffy_graph.json; None: the one beside the model")})
+    base: str | None = field(default=None, metadata={"help": (
+        "diffusion LMs: the causal LM the diffusion LM was adapted from (ar_base method, base perplexity of the "
+        "answers); None: the base an adapter artifact names")})
+    json: str | None = field(default=None, metadata={"help": "write the full results to this JSON file"})
+    markdown: str | None = field(default=None, metadata={"help": "write the table to this Markdown file"})
+    plots: str | None = field(default=None, metadata={"help": (
+        "write PNG plots (speedup, accepted lengths, acceptance by position) to this folder")})
 
 
 def find_data_dir(explicit: str | None) -> Path:

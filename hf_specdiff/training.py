@@ -41,53 +41,75 @@ from .markov import markov_decode
 from .speculator import AutoSpeculator, Speculator
 from .xpress import jacobi_refine
 
+MIXED_PRECISIONS = ("no", "bf16", "fp16")  # accelerate's
 
 @dataclass
 class TrainConfig:
     """Every training option, with its default (the CLI `hf-specdiff train` mirrors these fields)."""
 
-    data: list[str] = field(default_factory=list)  # JSONL files with prompt_ids and response_ids (distill output)
-    output_dir: str = "runs/speculator"
-    target: str | None = None  # a local folder or Hub id; None = the embedded SmolLM2-135M-Instruct
-    # continue from a saved speculator instead of a fresh one; the shape options below then come from it (None), and
-    # one given that differs from it is refused
-    init_speculator: str | None = None
-    block_size: int | None = None  # B; a fresh speculator's default: 16
-    num_draft_layers: int | None = None  # a fresh speculator's default: 1
-    target_layer_ids: list[int] | None = None  # a fresh speculator's default: spread over the target's depth
-    mask_token_id: int | None = None  # a fresh speculator's default: the last embedding row
-    refiner_rank: int | None = None  # r of the xPress refiner and of the Markov head; a fresh speculator's default: 256
-    # copy this target decoder layer into each fresh draft layer (None: random); not for an init_speculator
-    init_from_target_layer: int | None = -1
-    # give the speculator a draft vocabulary: the N tokens most frequent in the training answers (draft_vocab.py);
-    # None keeps init_speculator's (a fresh one drafts over the whole vocabulary). With one, the losses are computed
-    # over the tokens it can draft (see `SpeculatorTrainer.losses`)
-    draft_vocab_size: int | None = None
-    max_seq_len: int = 384  # sequences are cut to this many tokens
-    anchors_per_sequence: int = 16
-    batch_size: int = 4
-    gradient_accumulation_steps: int = 1
-    max_steps: int = 2000
-    learning_rate: float = 6e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 50
-    gamma: float = 7.0  # position weight exp(-(k-1)/gamma)
-    ce_weight: float = 0.1  # refiner / Markov: cross-entropy to the data's token
-    tv_weight: float = 0.9  # refiner / Markov: total variation to the target's distribution
-    consistency_weight: float = 0.5  # refiner pass on its own picks
-    anchor_weight: float = 1.0  # drafter alone
-    mixed_precision: str = "no"  # "no", "bf16" or "fp16" (accelerate)
-    holdout_sequences: int = 16  # kept out of training to estimate acceptance
-    eval_every: int = 100
-    save_every: int = 100
-    # wall-clock budget of this call: the run ends (schedule and all) where the budget reaches at the pace timed
-    # after the first steps and again at each evaluation step
-    time_budget_minutes: float | None = None
-    seed: int = 0
-    # which rows are held out (default: seed). A run continuing an init_speculator keeps the earlier run's held-out rows
-    # (comparable estimates, rows it never trained on) by repeating its seed here, and draws fresh batches with a new seed
-    holdout_seed: int | None = None
-    log_file: str | None = None  # JSONL of step, losses and held-out tau; default <output_dir>/log.jsonl
+    data: list[str] = field(default_factory=list, metadata={"help": (
+        "JSONL files with prompt_ids and response_ids per line (`hf-specdiff distill`'s output)")})
+    output_dir: str = field(default="runs/speculator", metadata={"help": (
+        "where the run writes checkpoints/ (resumed from when present), train_config.json, the log and the trained "
+        "speculator/")})
+    target: str | None = field(default=None, metadata={"help": (
+        "the target: a local folder or Hub id; None: the embedded SmolLM2-135M-Instruct")})
+    # the shape options below then come from it (None), and one given that differs from it is refused
+    init_speculator: str | None = field(default=None, metadata={"help": (
+        "continue training this saved speculator instead of a fresh one; it brings its own shape (block size, layers, "
+        "rank, ...): leave those options out")})
+    block_size: int | None = field(default=None, metadata={"help": (
+        "B, tokens per drafted block (the anchor and B-1 drafts); None: 16 for a fresh speculator")})
+    num_draft_layers: int | None = field(default=None, metadata={"help": (
+        "decoder layers of the drafter; None: 1 for a fresh speculator")})
+    target_layer_ids: list[int] | None = field(default=None, metadata={"help": (
+        "target layers whose hidden states the drafter reads; None: spread over the target's depth")})
+    mask_token_id: int | None = field(default=None, metadata={"help": (
+        "the token id the drafter fills the block with; None: the target's last embedding row")})
+    refiner_rank: int | None = field(default=None, metadata={"help": (
+        "r, the low rank of the xPress refiner and of the Markov head; None: 256 for a fresh speculator")})
+    init_from_target_layer: int | None = field(default=-1, metadata={"help": (
+        "copy this target decoder layer into each fresh draft layer (-1: the last; None: random init); not with "
+        "init_speculator")})
+    # with one, the losses are computed over the tokens it can draft (see `SpeculatorTrainer.losses`)
+    draft_vocab_size: int | None = field(default=None, metadata={"help": (
+        "give the speculator a draft vocabulary: the N tokens most frequent in the training answers, the only ones it "
+        "drafts (smaller read-out, faster); None: init_speculator's, or the whole vocabulary for a fresh one")})
+    max_seq_len: int = field(default=384, metadata={"help": "training sequences are cut to this many tokens"})
+    anchors_per_sequence: int = field(default=16, metadata={"help": (
+        "random block starts drawn in each sequence's answer; each trains one drafted block")})
+    batch_size: int = field(default=4, metadata={"help": "sequences per micro-batch (per process)"})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    max_steps: int = field(default=2000, metadata={"help": "optimizer steps (time_budget_minutes may end it sooner)"})
+    learning_rate: float = field(default=6e-4, metadata={"help": (
+        "peak AdamW learning rate, after a linear warm-up; cosine decay to 10% of it")})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    warmup_steps: int = field(default=50, metadata={"help": "steps of linear learning-rate warm-up"})
+    gamma: float = field(default=7.0, metadata={"help": (
+        "loss weight of the k-th draft in a block: exp(-(k-1)/gamma), early drafts count most")})
+    ce_weight: float = field(default=0.1, metadata={"help": (
+        "refiner and Markov head: weight of the cross-entropy to the data's token")})
+    tv_weight: float = field(default=0.9, metadata={"help": (
+        "refiner and Markov head: weight of the total variation to the target's distribution")})
+    consistency_weight: float = field(default=0.5, metadata={"help": (
+        "refiner: weight of its losses on a pass that reads its own picks, as the Jacobi passes do at inference")})
+    anchor_weight: float = field(default=1.0, metadata={"help": "weight of the drafter's own cross-entropy"})
+    mixed_precision: str = field(default="no", metadata={"help": "accelerate's mixed precision",
+                                                         "choices": MIXED_PRECISIONS})
+    holdout_sequences: int = field(default=16, metadata={"help": (
+        "sequences kept out of training, to estimate acceptance (tau) at each evaluation")})
+    eval_every: int = field(default=100, metadata={"help": "estimate held-out acceptance every this many steps"})
+    save_every: int = field(default=100, metadata={"help": (
+        "checkpoint and save the speculator every this many steps (and at the end)")})
+    time_budget_minutes: float | None = field(default=None, metadata={"help": (
+        "wall-clock budget of this call: the run ends (learning-rate schedule and all) where the budget reaches, at "
+        "the pace timed after the first steps and again at each evaluation; None: no budget")})
+    seed: int = field(default=0, metadata={"help": "seeds initialisation, batches and anchors"})
+    holdout_seed: int | None = field(default=None, metadata={"help": (
+        "which sequences are held out (None: seed). To continue an init_speculator, repeat the earlier run's seed "
+        "here, keeping its held-out sequences out (comparable estimates), and give a new seed for fresh batches")})
+    log_file: str | None = field(default=None, metadata={"help": (
+        "JSONL of step, losses and held-out tau, a line per step; None: <output_dir>/log.jsonl")})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -521,7 +543,7 @@ def check_options(config, checks: dict[str, tuple[bool, str]]) -> None:
         "learning_rate": (config.learning_rate > 0, "> 0"),
         "eval_every": (config.eval_every >= 1, ">= 1"),
         "save_every": (config.save_every >= 1, ">= 1"),
-        "mixed_precision": (config.mixed_precision in ("no", "bf16", "fp16"), "'no', 'bf16' or 'fp16'"),
+        "mixed_precision": (config.mixed_precision in MIXED_PRECISIONS, f"one of {MIXED_PRECISIONS}"),
         "time_budget_minutes": (config.time_budget_minutes is None or config.time_budget_minutes > 0,
                                 "positive, or None for no budget"),
         **checks,

@@ -3,13 +3,15 @@ its spelling, and a bad file fails with a message that says what is wrong."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
-from hf_specdiff.cli import parse_args
+from hf_specdiff.cli import COMMANDS, main, parse_args
 
 
 @pytest.fixture
@@ -64,6 +66,9 @@ def test_bad_config_files_are_refused(tmp_path):
     ({"limit": True}, "limit must be an integer"),
     ({"batch_size": [1, 2.0]}, "batch_size must be an integer"),
     ({"temperature": "0.7"}, "temperature must be a number"),
+    ({"num_draft_tokens": 2.5}, "num_draft_tokens must be an integer"),  # an optional field is checked too
+    ({"cache": "full"}, r"cache must be one of \['none', 'prefix', 'dual', 'block'\]"),  # argparse's choices skip it
+    ({"datasets": ["gsm8k", "gsm9k"]}, "datasets must be one of"),
 ])
 def test_config_values_of_the_wrong_type_are_refused(tmp_path, values, message):
     (tmp_path / "bench.json").write_text(json.dumps(values))
@@ -75,6 +80,47 @@ def test_config_values_of_the_right_type_pass(tmp_path):
     (tmp_path / "bench.json").write_text(json.dumps({"compile": False, "temperature": 1, "batch_size": [1, 4]}))
     args = parse_args(["bench", "--config", str(tmp_path / "bench.json")])
     assert (args.compile, args.temperature, args.batch_size) == (False, 1, [1, 4])
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_option_of_every_command_says_what_it_does(command, capsys):
+    """`hf-specdiff COMMAND --help` explains each option: a dataclass field's help is its `metadata["help"]`."""
+    parser = argparse.ArgumentParser()
+    COMMANDS[command][1](parser)
+    for action in parser._actions:
+        described = re.sub(r"\s*\(default: .*\)$", "", action.help or "", flags=re.S)
+        assert described.strip(), f"hf-specdiff {command} {'/'.join(action.option_strings)} has no help text"
+    with pytest.raises(SystemExit) as exit:
+        main([command, "--help"])  # argparse renders every help text (a stray % would fail here)
+    assert exit.value.code == 0
+    shown = re.sub(r"\s", "", capsys.readouterr().out)  # argparse wraps lines, also at hyphens
+    for action in parser._actions:
+        assert re.sub(r"\s", "", action.help.replace("%%", "%")) in shown
+
+
+def test_the_help_of_a_dataclass_option_gives_its_default_once(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--compile, --no-compile torch.compile of ar_static" in shown
+    assert "decodes ~15% faster); --no-compile never compiles (default: None) --target" in shown
+
+
+def test_an_optional_option_takes_none_and_others_do_not():
+    """`none` stands for the "None: ..." a help text describes, where the field allows None."""
+    assert parse_args(["train", "--init-from-target-layer", "none"]).init_from_target_layer is None
+    assert parse_args(["train", "--init-from-target-layer", "3"]).init_from_target_layer == 3
+    assert parse_args(["bench", "--num-draft-tokens", "None"]).num_draft_tokens is None
+    with pytest.raises(SystemExit):
+        parse_args(["bench", "--limit", "none"])  # argparse: "invalid int value: 'none'"
+
+
+def test_choices_are_offered_and_checked(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["train", "--mixed-precision", "fp8"])
+    assert "invalid choice: 'fp8' (choose from" in capsys.readouterr().err
+    assert parse_args(["train-diffusion", "--finetune", "full"]).finetune == "full"
+    assert parse_args(["calibrate", "--cache", "dual"]).cache == "dual"
 
 
 def test_demo_refuses_the_other_modes_flags():

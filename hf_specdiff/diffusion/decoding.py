@@ -42,16 +42,25 @@ CACHE_MODES = ("none", "prefix", "dual", "block")
 class DiffusionGenerationConfig:
     """Decoding options for masked diffusion LMs (the reference implementations' knobs)."""
 
-    max_new_tokens: int = 128  # generation length: the answer canvas, a multiple of block_length
-    block_length: int = 32  # semi-autoregressive block size
-    steps: int | None = None  # denoising steps over the whole answer, split evenly over blocks; None: max_new_tokens
-    remasking: str = "low_confidence"  # which masked positions are unmasked first: one of REMASKING_RULES
-    temperature: float = 0.0  # 0: greedy; > 0: Gumbel-max sampling in float64, noise seeded per (row, block, step)
-    threshold: float | None = None  # Fast-dLLM: unmask every position with confidence >= threshold (steps unused)
-    cache: str = "none"  # one of CACHE_MODES
-    seed: int = 0  # seeds the sampling noise (and the random remasking rule)
-    stop_at_eos: bool = True  # stop after the first block in which every row has produced an EOS token
-    max_drafts: int = 8  # Spiffy: drafts verified per forward after dynamic pruning (D*)
+    max_new_tokens: int = field(default=128, metadata={"help": (
+        "generation length: the answer canvas, a multiple of block_length")})
+    block_length: int = field(default=32, metadata={"help": "semi-autoregressive block size"})
+    steps: int | None = field(default=None, metadata={"help": (
+        "denoising steps over the whole answer, split evenly over blocks; None: max_new_tokens")})
+    remasking: str = field(default="low_confidence", metadata={
+        "help": "which masked positions are unmasked first", "choices": REMASKING_RULES})
+    temperature: float = field(default=0.0, metadata={"help": (
+        "0: greedy; > 0: Gumbel-max sampling in float64, noise seeded per (row, block, step)")})
+    threshold: float | None = field(default=None, metadata={"help": (
+        "Fast-dLLM: unmask every position with confidence >= threshold (steps unused); None: a fixed schedule")})
+    cache: str = field(default="none", metadata={"help": (
+        "key/value cache: none (exact); Fast-dLLM's prefix or dual (also the masked suffix), reused while a block is "
+        "refined; block: each finished block committed (block-causal models, exact)"), "choices": CACHE_MODES})
+    seed: int = field(default=0, metadata={"help": "seeds the sampling noise (and the random remasking rule)"})
+    stop_at_eos: bool = field(default=True, metadata={"help": (
+        "stop after the first block in which every row has produced an EOS token")})
+    max_drafts: int = field(default=8, metadata={"help": (
+        "Spiffy: drafts verified per forward after dynamic pruning (D*)")})
 
     def validate(self, model) -> None:
         if self.block_length < 1 or self.max_new_tokens < 1 or self.max_new_tokens % self.block_length:

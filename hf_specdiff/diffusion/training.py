@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..training import (
+    MIXED_PRECISIONS,
     _latest_checkpoint,
     check_options,
     check_resumable,
@@ -68,6 +69,7 @@ from .decoding import DiffusionGenerationConfig
 from .modeling import DiffusionLM
 
 SMOLLM2_MASK_TOKEN_ID = 16  # <empty_output>: a reserved special token that never occurs in SmolLM2's chat text
+FINETUNE_MODES = ("lora", "full")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # fields that shape the trained parameters: a checkpoint only resumes under the same values
 _SHAPING_FIELDS = ("base", "finetune", "lora_rank", "lora_alpha", "lora_target_modules", "train_mask_embedding",
@@ -79,40 +81,61 @@ class DiffusionTrainConfig:
     """Every option of `train_diffusion`, with its default for a real GPU run (`hf-specdiff train-diffusion` mirrors
     these fields)."""
 
-    data: list[str] = field(default_factory=list)  # distill JSONL files with prompt_ids and response_ids
-    output_dir: str = "runs/diffusion"  # checkpoints/, log.jsonl, train_config.json and the artifact diffusion_lm/
-    base: str | None = None  # causal LM to adapt: local folder or Hub id; None = the embedded SmolLM2-135M-Instruct
-    # continue from a saved adapter of the same base and shape (its LoRA factors / weights and [MASK] row) instead of
-    # fresh ones; the optimizer and the learning-rate schedule start afresh
-    init_adapter: str | None = None
-    mask_token_id: int | None = None  # None: 16 (<empty_output>) for the embedded SmolLM2, else the tokenizer's mask
-    shift_logits: bool = True  # Dream-style: position i is predicted from output i-1 (False: LLaDA-style, no shift)
-    finetune: str = "lora"  # "lora" (adapter of a few tens of MB) or "full" (every layer; embeddings stay frozen)
-    lora_rank: int = 16  # r; SmolLM2-135M: about 1.2 MB of float32 factors per unit of rank with all 7 targets
-    lora_alpha: float = 32.0  # LoRA scale alpha / r
-    lora_dropout: float = 0.0  # dropout on the LoRA input
-    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))  # Linear names given LoRA
-    train_mask_embedding: bool = True  # train the [MASK] input embedding row (stored as `mask_embedding`)
-    max_seq_len: int = 512  # prompt + answer cut to this many tokens (rows without 2 answer tokens are dropped)
-    eos_token_id: int | None = None  # answers ending with it are padded with it (trained as answer); None: the base's
-    mask_eps: float = 1e-3  # t ~ U(mask_eps, 1]
-    block_masking_share: float = 0.5  # share of sequences noised block-wise, as semi-autoregressive decoding sees them
-    block_length: int = DiffusionGenerationConfig.block_length  # block size of that masking: decoding's block_length
-    batch_size: int = 32  # sequences per micro-batch (per process)
-    gradient_accumulation_steps: int = 1
-    max_steps: int = 3000  # optimizer steps
-    learning_rate: float = 5e-4  # peak, after linear warm-up; cosine decay to 10% of it
-    weight_decay: float = 0.0
-    warmup_steps: int = 100
-    max_grad_norm: float = 1.0
-    mixed_precision: str = "bf16"  # "no", "bf16" or "fp16" (accelerate); weights and LoRA factors stay float32
-    eval_sequences: int = 64  # held out of training; masked-token accuracy on them every eval_every steps
-    eval_every: int = 100
-    save_every: int = 250  # checkpoint and artifact every this many steps (and at the end)
-    # wall-clock budget of this call: after timing the pace, the run ends (schedule and all) where the budget reaches
-    time_budget_minutes: float | None = None
-    seed: int = 0
-    log_file: str | None = None  # JSONL of step, loss, accuracy, held-out metrics; default <output_dir>/log.jsonl
+    data: list[str] = field(default_factory=list, metadata={"help": (
+        "JSONL files with prompt_ids and response_ids per line (`hf-specdiff distill`'s output)")})
+    output_dir: str = field(default="runs/diffusion", metadata={"help": (
+        "where the run writes checkpoints/ (resumed from when present), log.jsonl, train_config.json and the "
+        "artifact diffusion_lm/")})
+    base: str | None = field(default=None, metadata={"help": (
+        "causal LM to adapt: local folder or Hub id; None: the embedded SmolLM2-135M-Instruct")})
+    init_adapter: str | None = field(default=None, metadata={"help": (
+        "continue from a saved adapter of the same base and shape (its LoRA factors / weights and [MASK] row) instead "
+        "of fresh ones; the optimizer and the learning-rate schedule start afresh")})
+    mask_token_id: int | None = field(default=None, metadata={"help": (
+        "the [MASK] token id; None: 16 (<empty_output>) for the embedded SmolLM2, else the tokenizer's mask token")})
+    shift_logits: bool = field(default=True, metadata={"help": (
+        "Dream-style: position i is predicted from output i-1 (--no-shift-logits: LLaDA-style, no shift)")})
+    finetune: str = field(default="lora", metadata={"help": (
+        "lora (an adapter of a few tens of MB) or full (every layer; embeddings stay frozen)"),
+        "choices": FINETUNE_MODES})
+    lora_rank: int = field(default=16, metadata={"help": (
+        "LoRA rank r; SmolLM2-135M: about 1.2 MB of float32 factors per unit of rank with all 7 target modules")})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA scale alpha / r"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input"})
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS), metadata={"help": (
+        "names of the Linear layers given LoRA")})
+    train_mask_embedding: bool = field(default=True, metadata={"help": (
+        "train the [MASK] input embedding row (stored as `mask_embedding`)")})
+    max_seq_len: int = field(default=512, metadata={"help": (
+        "prompt + answer cut to this many tokens (rows without 2 answer tokens are dropped)")})
+    eos_token_id: int | None = field(default=None, metadata={"help": (
+        "answers ending with it are padded with it (trained as answer); None: the base's")})
+    mask_eps: float = field(default=1e-3, metadata={"help": "the masking ratio t is drawn from U(mask_eps, 1]"})
+    block_masking_share: float = field(default=0.5, metadata={"help": (
+        "share of sequences noised block-wise, as semi-autoregressive decoding sees them")})
+    block_length: int = field(default=DiffusionGenerationConfig.block_length, metadata={"help": (
+        "block size of that block-wise masking: decoding's block_length")})
+    batch_size: int = field(default=32, metadata={"help": "sequences per micro-batch (per process)"})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    max_steps: int = field(default=3000, metadata={"help": "optimizer steps"})
+    learning_rate: float = field(default=5e-4, metadata={"help": (
+        "peak AdamW learning rate, after a linear warm-up; cosine decay to 10% of it")})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    warmup_steps: int = field(default=100, metadata={"help": "steps of linear learning-rate warm-up"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradients are clipped to this norm"})
+    mixed_precision: str = field(default="bf16", metadata={"help": (
+        "accelerate's mixed precision; weights and LoRA factors stay float32"), "choices": MIXED_PRECISIONS})
+    eval_sequences: int = field(default=64, metadata={"help": (
+        "sequences held out of training; masked-token accuracy on them every eval_every steps")})
+    eval_every: int = field(default=100, metadata={"help": "evaluate on the held-out sequences every this many steps"})
+    save_every: int = field(default=250, metadata={"help": (
+        "checkpoint and save the artifact every this many steps (and at the end)")})
+    time_budget_minutes: float | None = field(default=None, metadata={"help": (
+        "wall-clock budget of this call: after timing the pace, the run ends (learning-rate schedule and all) where "
+        "the budget reaches; None: no budget")})
+    seed: int = field(default=0, metadata={"help": "seeds initialisation, batches and noise"})
+    log_file: str | None = field(default=None, metadata={"help": (
+        "JSONL of step, loss, accuracy and held-out metrics; None: <output_dir>/log.jsonl")})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -481,7 +504,7 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
 
 def _check_config(config: DiffusionTrainConfig) -> None:
     check_options(config, {
-        "finetune": (config.finetune in ("lora", "full"), "'lora' or 'full'"),
+        "finetune": (config.finetune in FINETUNE_MODES, f"one of {FINETUNE_MODES}"),
         "lora_rank": (config.lora_rank >= 1, ">= 1"),
         "lora_target_modules": (bool(config.lora_target_modules) or config.finetune == "full", "not empty"),
         "mask_eps": (0 < config.mask_eps < 1, "in (0, 1)"),
