@@ -9,9 +9,10 @@ import torch
 
 import hf_specdiff
 
-parser = argparse.ArgumentParser()
-parser.add_argument("prompt", nargs="?", default="Write a haiku about speculative decoding.")
-parser.add_argument("--max-new-tokens", type=int, default=96)
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("prompt", nargs="?", default="Write a haiku about speculative decoding.",
+                    help="what to ask (default: a haiku about speculative decoding)")
+parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated (default: 96)")
 args = parser.parse_args()
 prompt, max_new_tokens = args.prompt, args.max_new_tokens
 target, tokenizer = hf_specdiff.load_default_target()

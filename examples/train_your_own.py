@@ -19,13 +19,13 @@ from hf_specdiff.training import TrainConfig, train
 
 HOLDOUT = 4  # answers kept out of training to estimate acceptance
 
-parser = argparse.ArgumentParser()
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--questions", default=None,
                     help="JSONL with a `question` field (default: GSM8K train from the benchmark data, found as "
                     "`hf-specdiff bench` finds it: $HF_SPECDIFF_DATA, shared/data or ../shared/data)")
-parser.add_argument("--num-prompts", type=int, default=24)
-parser.add_argument("--steps", type=int, default=20)
-parser.add_argument("--output-dir", default="runs/example")
+parser.add_argument("--num-prompts", type=int, default=24, help="questions the target answers (default: 24)")
+parser.add_argument("--steps", type=int, default=20, help="training steps (default: 20)")
+parser.add_argument("--output-dir", default="runs/example", help="answers, run and speculator (default: runs/example)")
 args = parser.parse_args()
 if args.num_prompts <= HOLDOUT:
     parser.error(f"--num-prompts must exceed the {HOLDOUT} held-out answers, got {args.num_prompts}")

@@ -510,9 +510,12 @@ def _demo_options(parser: argparse.ArgumentParser) -> None:
                              "forward's cost grows with its width; all of the block elsewhere)")
     parser.add_argument("--diffusion", action="store_true", help="a masked diffusion LM with Spiffy instead")
     parser.add_argument("--model", default=None, help="--diffusion: the diffusion LM folder (default: the shipped one)")
-    parser.add_argument("--draft-graph", default=None, help="--diffusion: default: the graph beside the model")
-    parser.add_argument("--block-length", type=int, default=None, help="--diffusion: (default: 32)")
-    parser.add_argument("--threshold", type=float, default=None, help="--diffusion: (default: 0.9)")
+    parser.add_argument("--draft-graph", default=None, help="--diffusion: folder with spiffy_graph.json "
+                        "(default: the graph beside the model)")
+    parser.add_argument("--block-length", type=int, default=None, help="--diffusion: semi-autoregressive block size "
+                        "(default: 32)")
+    parser.add_argument("--threshold", type=float, default=None, help="--diffusion: Fast-dLLM confidence threshold of "
+                        "the threshold and Spiffy + threshold runs (default: 0.9)")
 
 
 def _export_options(parser: argparse.ArgumentParser) -> None:
