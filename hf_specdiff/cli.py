@@ -10,6 +10,7 @@ import json
 import sys
 import typing
 
+from . import __version__
 from ._hub import can_only_be_a_path, share_like_umask
 
 
@@ -619,8 +620,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line as `main` reads it (a `--config` file's values under the flags given)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="hf-specdiff", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    # the top-level parser has no options but --help, so the first word that is not an option names the command
+    # the top-level parser's options (--help, --version) take no value, so the first word that is not an option names
+    # the command
     chosen = next((word for word in argv if not word.startswith("-")), None)
     for name, (help_text, add_options) in COMMANDS.items():
         command_parser = commands.add_parser(name, help=help_text)

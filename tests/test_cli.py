@@ -173,6 +173,18 @@ def test_help_and_import_do_not_load_torch():
     assert result.stdout.strip() == "[]"
 
 
+def test_version_is_the_installed_packages(capsys):
+    """`hf-specdiff --version`, `hf_specdiff.__version__` and the installed metadata agree (pyproject reads it)."""
+    import importlib.metadata
+
+    import hf_specdiff
+
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0 and capsys.readouterr().out.strip() == f"hf-specdiff {hf_specdiff.__version__}"
+    assert importlib.metadata.version("hf_specdiff") == hf_specdiff.__version__
+
+
 def test_every_public_name_resolves_to_its_module():
     import importlib
 
