@@ -49,7 +49,8 @@ _FILES = {
 
 @dataclass
 class BenchConfig:
-    """Options of `hf-specdiff bench` (the CLI mirrors these fields)."""
+    """Options of `hf-specdiff bench`: the CLI mirrors these fields, and each field's `metadata["help"]` is its
+    `--help` text."""
 
     datasets: list[str] = field(default_factory=lambda: ["gsm8k"], metadata={
         "help": "benchmark sets whose prompts are run", "choices": DATASETS})

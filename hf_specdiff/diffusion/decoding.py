@@ -40,7 +40,8 @@ CACHE_MODES = ("none", "prefix", "dual", "block")
 
 @dataclass
 class DiffusionGenerationConfig:
-    """Decoding options for masked diffusion LMs (the reference implementations' knobs)."""
+    """Decoding options for masked diffusion LMs (the reference implementations' knobs); each field's
+    `metadata["help"]` says what it does (`hf-specdiff calibrate --help` shows them)."""
 
     max_new_tokens: int = field(default=128, metadata={"help": (
         "generation length: the answer canvas, a multiple of block_length")})

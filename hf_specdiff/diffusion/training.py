@@ -78,8 +78,8 @@ _SHAPING_FIELDS = ("base", "finetune", "lora_rank", "lora_alpha", "lora_target_m
 
 @dataclass
 class DiffusionTrainConfig:
-    """Every option of `train_diffusion`, with its default for a real GPU run (`hf-specdiff train-diffusion` mirrors
-    these fields)."""
+    """Every option of `train_diffusion`, with its default for a real GPU run: `hf-specdiff train-diffusion` mirrors
+    these fields, and each field's `metadata["help"]` is its `--help` text."""
 
     data: list[str] = field(default_factory=list, metadata={"help": (
         "JSONL files with prompt_ids and response_ids per line (`hf-specdiff distill`'s output)")})
