@@ -530,11 +530,12 @@ def _export_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bench-json", help="a `hf-specdiff bench --json` result to quote in the card")
     parser.add_argument("--bench-command", default="hf-specdiff bench", help="the command the card quotes for "
                         "reproducing --bench-json (default: hf-specdiff bench)")
-    parser.add_argument("--template", default=None, help="default: model_cards/speculator.md or model_cards/diffusion_lm.md")
+    parser.add_argument("--template", default=None, help="the model card's template (default: "
+                        "model_cards/speculator.md or model_cards/diffusion_lm.md)")
     parser.add_argument("--base-model", default=None, help="the card's base_model (default: the target or base the run "
                         f"names; {EMBEDDED_HUB_ID} for the embedded one)")
-    parser.add_argument("--title", default=None, help=f"default: {SPECULATOR_TITLE!r} or {DIFFUSION_TITLE!r}, name: the "
-                        "base model's")
+    parser.add_argument("--title", default=None, help=f"the card's title (default: {SPECULATOR_TITLE!r} or "
+                        f"{DIFFUSION_TITLE!r}, name: the base model's)")
     parser.add_argument("--license", default=None, help="the card's licence, a Hub licence id (default: apache-2.0, "
                         f"{EMBEDDED_HUB_ID}'s, for the embedded base; required for another base)")
     parser.add_argument("--data-description", default=None, help="what the run trained on (default for the embedded "

@@ -185,6 +185,19 @@ def test_version_is_the_installed_packages(capsys):
     assert importlib.metadata.version("hf_specdiff") == hf_specdiff.__version__
 
 
+def test_python_dash_m_runs_the_command_line():
+    import subprocess
+
+    import hf_specdiff
+
+    result = subprocess.run([sys.executable, "-m", "hf_specdiff", "--version"], capture_output=True, text=True,
+                            timeout=120)
+    assert (result.returncode, result.stdout.strip()) == (0, f"hf-specdiff {hf_specdiff.__version__}")
+    result = subprocess.run([sys.executable, "-m", "hf_specdiff", "bench", "--limit", "-1"], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 1 and result.stderr.startswith("hf-specdiff: ValueError: --limit must be >= 0")
+
+
 def test_every_public_name_resolves_to_its_module():
     import importlib
 
