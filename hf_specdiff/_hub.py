@@ -23,6 +23,29 @@ def check_folder_or_repo_id(path_or_repo_id: str | os.PathLike, what: str) -> No
         )
 
 
+# what to do when a folder given for a saved artifact lacks its config.json
+SAVED_FOLDER = "Point at the folder that save_pretrained wrote (config.json beside the weights)."
+
+
+def find_file(path_or_repo_id: str, filename: str, what: str, remedy: str, **hub_kwargs) -> str:
+    """The local path of `filename` in a folder or Hub repo (downloaded if need be), or an OSError that says no `what`
+    is there and what to do (`remedy`). transformers' `cached_file` answers a local folder without config.json with
+    None, not an error (its callers fall back on other files), so that case is caught here too."""
+    from transformers.utils import cached_file
+
+    folder = Path(path_or_repo_id, hub_kwargs.get("subfolder") or "")
+    try:
+        found = cached_file(path_or_repo_id, filename, **hub_kwargs)
+    except OSError as error:
+        if not Path(path_or_repo_id).is_dir():
+            raise OSError(f"No {what} at {path_or_repo_id!r}: it is not a local folder, and the Hub repo could not be "
+                          f"read (offline, it must already be in the local Hub cache). {error}") from error
+        found = None
+    if found is None:
+        raise OSError(f"No {what} at {str(folder)!r}: the folder has no {filename}. {remedy}")
+    return found
+
+
 def share_like_umask(folder: Path) -> None:
     """Give `folder` and its files the modes a plain `open()` / `mkdir()` would: safetensors writes its files 0600 (and
     `mkdtemp` makes a folder 0700), which would lock other users out of a shared cache or an exported artifact."""

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ._hub import check_folder_or_repo_id
+from ._hub import SAVED_FOLDER, check_folder_or_repo_id, find_file
 from .dflash import DFlashConfig, DFlashDraftModel, embedding_sample, full_attention_rope_parameters, spread_layer_ids
 from .draft_vocab import check_draft_vocab
 from .markov import MarkovConfig, MarkovHead
@@ -214,14 +214,7 @@ class Speculator(nn.Module):
         )
         if manifest_file is not None:
             manifest = _read_manifest(manifest_file)
-        try:
-            config_file = cached_file(path_or_repo_id, "config.json", **hub_kwargs)
-        except OSError as error:
-            raise OSError(
-                f"No speculator at {path_or_repo_id!r}: it is not a local folder with a config.json, and the Hub "
-                f"repo could not be read (offline, it must already be in the local Hub cache). {error}"
-            ) from error
-        config = _read_json_object(config_file)
+        config = _read_json_object(find_file(path_or_repo_id, "config.json", "speculator", SAVED_FOLDER, **hub_kwargs))
         if "DFlashDraftModel" not in (config.get("architectures") or []) or "dflash_config" not in config:
             raise ValueError(
                 f"{path_or_repo_id} is not a dFlash drafter checkpoint: its config.json needs architectures "

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ._hub import check_folder_or_repo_id
+from ._hub import check_folder_or_repo_id, find_file
 from .diffusion.decoding import DiffusionGenerationConfig, confidence, without_mask_token
 
 GRAPH_FORMAT_VERSION = 1
@@ -136,14 +136,14 @@ class DraftGraph:
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | Path, **hub_kwargs) -> DraftGraph:
         """Load from a folder holding spiffy_graph.json, the file itself, or a Hub repo id."""
-        from transformers.utils import cached_file
-
         path = Path(path_or_repo_id)
         if path.is_file():
             file = path
         else:
             check_folder_or_repo_id(path_or_repo_id, "draft graph")
-            file = cached_file(str(path_or_repo_id), GRAPH_FILE, **hub_kwargs)
+            file = find_file(str(path_or_repo_id), GRAPH_FILE, "draft graph", "Calibrate one for its diffusion "
+                             "LM (`hf-specdiff calibrate --model MODEL --output FOLDER`), or point at the folder "
+                             "holding it.", **hub_kwargs)
         try:
             data = json.loads(Path(file).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:

@@ -368,6 +368,18 @@ def test_a_missing_local_path_says_so_for_every_artifact(path):
             load(path)
 
 
+def test_a_folder_without_the_artifacts_file_says_so(tmp_path):
+    """transformers' `cached_file` answers a local folder without config.json with None (it crashed as a TypeError)."""
+    from hf_specdiff.diffusion import AutoDiffusionLM
+
+    (tmp_path / "model.safetensors").write_bytes(b"")  # something else is there
+    for load, what, file in ((AutoSpeculator.from_pretrained, "speculator", "config.json"),
+                             (AutoDiffusionLM.from_pretrained, "diffusion LM", "config.json"),
+                             (hf_specdiff.DraftGraph.from_pretrained, "draft graph", "spiffy_graph.json")):
+        with pytest.raises(OSError, match=f"No {what} at '{tmp_path}': the folder has no {file}. (Point|Calibrate)"):
+            load(tmp_path)
+
+
 def test_components_must_agree():
     target = make_target()
     speculator = make_speculator(target)

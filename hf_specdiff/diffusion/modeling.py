@@ -45,7 +45,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .._attention import grouped_query_attention
-from .._hub import check_folder_or_repo_id
+from .._hub import SAVED_FOLDER, check_folder_or_repo_id, find_file
 
 OUR_MODEL_TYPE = "hf_specdiff_diffusion_lm"
 
@@ -470,19 +470,12 @@ class DiffusionLM(PreTrainedModel):
         of its base causal LM) loads too: the base is loaded, converted and the adapter merged in
         (`adapter_weights.load_adapter_model`). `base` (a folder, Hub id or loaded causal LM) overrides the base it
         names; it is for adapter folders only."""
-        from transformers.utils import cached_file
-
         from . import adapter_weights
 
         where = str(path_or_repo_id)
         check_folder_or_repo_id(where, "diffusion LM")
         dtype = _requested_dtype(dtype, hub_kwargs)
-        try:
-            config_file = cached_file(where, "config.json", **hub_kwargs)
-        except OSError as error:
-            raise OSError(f"No diffusion LM at {where!r}: it is not a local folder with a config.json, and the Hub "
-                          f"repo could not be read (offline, it must already be in the local Hub cache). {error}"
-                          ) from error
+        config_file = find_file(where, "config.json", "diffusion LM", SAVED_FOLDER, **hub_kwargs)
         try:
             published = json.loads(Path(config_file).read_text())
         except json.JSONDecodeError as error:
