@@ -348,6 +348,9 @@ def load_models(config: BenchConfig, target=None, tokenizer=None, speculator=Non
     import hf_specdiff
 
     dtype = getattr(torch, config.dtype)
+    if speculator is None:  # first: a wrong path fails before the target loads, which can take minutes
+        path = config.speculator or hf_specdiff.default_speculator_path()
+        speculator = hf_specdiff.AutoSpeculator.from_pretrained(path)
     if target is None:
         if config.target is None:
             target, tokenizer = hf_specdiff.load_default_target(dtype=dtype)
@@ -357,9 +360,6 @@ def load_models(config: BenchConfig, target=None, tokenizer=None, speculator=Non
             target = AutoModelForCausalLM.from_pretrained(config.target, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(config.target)
     target = hf_specdiff.enable(target.to(config.device).eval())
-    if speculator is None:
-        path = config.speculator or hf_specdiff.default_speculator_path()
-        speculator = hf_specdiff.AutoSpeculator.from_pretrained(path)
     return target, tokenizer, speculator.to(device=config.device, dtype=dtype)
 
 
@@ -422,8 +422,8 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
         from .bench_batched import run_batch_bench
 
         return run_batch_bench(config, target, tokenizer, speculator, progress)
+    prompts = load_prompts(config)  # a bad file or dataset fails before the models load
     target, tokenizer, speculator = load_models(config, target, tokenizer, speculator)
-    prompts = load_prompts(config)
     sampling = config.temperature > 0
     common = generate_kwargs(config)
 

@@ -132,11 +132,11 @@ def demo(prompt: str, max_new_tokens: int, speculator_path: str | None, device: 
 
     from .bench import BenchConfig, _lossless_check, timed_generate
 
+    speculator = hf_specdiff.AutoSpeculator.from_pretrained(speculator_path or hf_specdiff.default_speculator_path())
     print("Loading SmolLM2-135M-Instruct (embedded; the first run dequantizes it once) ...", flush=True)
     target, tokenizer = hf_specdiff.load_default_target(device=device)
     hf_specdiff.enable(target)
-    path = speculator_path or hf_specdiff.default_speculator_path()
-    speculator = hf_specdiff.AutoSpeculator.from_pretrained(path).to(device=device, dtype=target.dtype)
+    speculator = speculator.to(device=device, dtype=target.dtype)
     if num_draft_tokens is None and torch.device(device).type == "cpu":
         num_draft_tokens = CPU_DEMO_DRAFTS
     drafts = num_draft_tokens or speculator.drafter.config.block_size - 1

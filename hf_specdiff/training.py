@@ -155,8 +155,9 @@ def build_speculator(config: TrainConfig, target) -> tuple[Speculator, TrainConf
 # --------------------------------------------------------------------------------------------------------------
 
 
-def load_sequences(paths: list[str], vocab_size: int, max_seq_len: int, min_answer_tokens: int = 2) -> list[dict]:
-    """Read distill JSONL files into [{"ids": [...], "answer_start": int}], checking every row."""
+def read_sequences(paths: list[str], max_seq_len: int, min_answer_tokens: int = 2) -> list[dict]:
+    """Read distill JSONL files into [{"ids": [...], "answer_start": int, "where": "file:line"}], checking every row;
+    the target is not needed, so a bad file fails before the target loads (`check_vocabulary` then checks the ids)."""
     if not paths:
         raise ValueError("No training data: pass data files (JSONL with prompt_ids and response_ids).")
     sequences = []
@@ -178,13 +179,19 @@ def load_sequences(paths: list[str], vocab_size: int, max_seq_len: int, min_answ
                 if any(type(t) is not int for t in prompt + answer):  # 1.7 would be read as 1, "5" would crash later
                     raise ValueError(f"{path}:{number}: `prompt_ids` and `response_ids` must be lists of integer token "
                                      "ids.")
-                if any(not 0 <= t < vocab_size for t in ids):
-                    raise ValueError(f"{path}:{number} has token ids outside the target's vocabulary ({vocab_size}).")
                 if len(ids) - len(prompt) >= min_answer_tokens:
-                    sequences.append({"ids": ids, "answer_start": len(prompt)})
+                    sequences.append({"ids": ids, "answer_start": len(prompt), "where": f"{path}:{number}"})
     if not sequences:
         raise ValueError(f"No usable rows in {paths}: every row is empty or its answer is cut off by max_seq_len.")
     return sequences
+
+
+def check_vocabulary(sequences: list[dict], vocab_size: int) -> None:
+    """Refuse rows of `read_sequences` with token ids the target's embedding does not have (another tokenizer)."""
+    for row in sequences:
+        if not all(0 <= t < vocab_size for t in row["ids"]):
+            raise ValueError(f"{row['where']} has token ids outside the target's vocabulary ({vocab_size}): were the "
+                             "answers distilled from this target?")
 
 
 def collate(rows: list[dict], pad_id: int):
@@ -639,11 +646,11 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
     plan, accelerator = start_run(config)
     output_dir = Path(config.output_dir)
 
-    # Everything that can be wrong is checked before the first step.
+    # Everything that can be wrong is checked before the first step, the data before the target loads.
+    sequences = read_sequences(config.data, config.max_seq_len)
     if target is None:
         target = _load_target(config.target)
-    vocab_size = target.get_input_embeddings().weight.shape[0]
-    sequences = load_sequences(config.data, vocab_size, config.max_seq_len)
+    check_vocabulary(sequences, target.get_input_embeddings().weight.shape[0])
     holdout, sequences = split_holdout(sequences, config)
     speculator, config = build_speculator(config, target)
     if config.draft_vocab_size is not None:

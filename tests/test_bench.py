@@ -45,6 +45,19 @@ def _two_prompts(tmp_path) -> Path:
     return prompts
 
 
+@pytest.mark.parametrize("batch_size", [[1], [1, 2]])
+def test_a_wrong_speculator_or_prompt_file_fails_before_the_target_loads(tmp_path, monkeypatch, batch_size):
+    monkeypatch.setattr(hf_specdiff, "load_default_target", lambda **_: pytest.fail("the target loaded first"))
+    missing = tmp_path / "no-speculator"
+    with pytest.raises(FileNotFoundError, match="No speculator at"):
+        run_bench(BenchConfig(prompts=str(_two_prompts(tmp_path)), speculator=str(missing), batch_size=batch_size,
+                              methods=["ar", "dflash"]), progress=False)
+    (tmp_path / "bad.jsonl").write_text("What is 12 times 7?\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1 is not JSON"):
+        run_bench(BenchConfig(prompts=str(tmp_path / "bad.jsonl"), batch_size=batch_size, methods=["ar", "dflash"]),
+                  progress=False)
+
+
 def test_bench_reports_every_method_side_by_side(tmp_path, smollm):
     target, tokenizer, speculator = smollm
     config = BenchConfig(prompts=str(_two_prompts(tmp_path)), limit=0, max_new_tokens=12, jacobi_passes=[1, 4],

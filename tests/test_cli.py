@@ -123,6 +123,14 @@ def test_choices_are_offered_and_checked(capsys):
     assert parse_args(["calibrate", "--cache", "dual"]).cache == "dual"
 
 
+def test_demo_reads_the_speculator_before_loading_the_target(tmp_path, monkeypatch):
+    import hf_specdiff
+
+    monkeypatch.setattr(hf_specdiff, "load_default_target", lambda **_: pytest.fail("the target loaded first"))
+    with pytest.raises(OSError, match="the folder has no config.json"):
+        main(["demo", "--speculator", str(tmp_path), "--device", "cpu"])
+
+
 def test_demo_refuses_the_other_modes_flags():
     from hf_specdiff.cli import main
 

@@ -397,6 +397,16 @@ def test_bad_training_inputs_fail_before_the_first_step(setup, tmp_path):
     assert not (tmp_path / "run").exists()  # nothing written
 
 
+def test_bad_data_fails_before_the_base_loads(setup, tmp_path, monkeypatch):
+    import hf_specdiff.diffusion.training as diffusion_training
+
+    folder, _, _, _ = setup
+    monkeypatch.setattr(diffusion_training, "load_base", lambda *a, **k: pytest.fail("the base loaded before the data"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        train_diffusion(tiny_config(folder, tmp_path / "missing.jsonl", output_dir=str(tmp_path / "run")),
+                        progress=False)
+
+
 def corrupt_copy(setup, tmp_path, config_change=None, tensors_change=None, raw=None):
     folder = setup[0]
     target = tmp_path / "bad"

@@ -8,7 +8,7 @@ import pytest
 
 import hf_specdiff
 from hf_specdiff.distill import DistillConfig, collect_prompts, distill
-from hf_specdiff.training import load_sequences
+from hf_specdiff.training import read_sequences
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_distill_writes_rows_and_resumes(tmp_path, smollm):
     distill(DistillConfig(**{**config.__dict__, "limit": 4}), target=target, tokenizer=tokenizer, progress=False)
     ids = [json.loads(line)["id"] for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
     assert sorted(ids) == ["q0", "q1", "q2", "q3"]
-    assert len(load_sequences([str(tmp_path / "answers.jsonl")], 49152, 256)) == 4
+    assert len(read_sequences([str(tmp_path / "answers.jsonl")], 256)) == 4
 
 
 def test_prompt_sources(tmp_path):

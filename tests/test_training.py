@@ -13,7 +13,7 @@ from conftest import VOCAB, make_speculator, make_successor_target
 
 from hf_specdiff import AutoSpeculator
 from hf_specdiff.draft_vocab import DraftReadOut, full_width
-from hf_specdiff.training import SpeculatorTrainer, TrainConfig, collate, load_sequences, train, weighted_tv
+from hf_specdiff.training import SpeculatorTrainer, TrainConfig, collate, read_sequences, train, weighted_tv
 
 
 def write_distill(path, target, rows=24, seed=0):
@@ -68,6 +68,18 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path, target):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["checkpoint-20", "checkpoint-30"]
 
 
+def test_bad_data_fails_before_the_target_loads(tmp_path, monkeypatch):
+    """A real target takes minutes to load: a missing or broken data file must not wait for it."""
+    import hf_specdiff.training as training
+
+    monkeypatch.setattr(training, "_load_target", lambda name: pytest.fail("the target loaded before the data was read"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        train(tiny_config(tmp_path, tmp_path / "missing.jsonl"), progress=False)
+    (tmp_path / "broken.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
+    with pytest.raises(ValueError, match="broken.jsonl:1 is not a distill row"):
+        train(tiny_config(tmp_path, tmp_path / "broken.jsonl"), progress=False)
+
+
 def test_bad_inputs_fail_before_training(tmp_path, target):
     with pytest.raises(ValueError, match="No training data"):
         train(dataclasses.replace(tiny_config(tmp_path, "x"), data=[]), target=target, progress=False)
@@ -82,8 +94,8 @@ def test_bad_inputs_fail_before_training(tmp_path, target):
     with pytest.raises(ValueError, match="broken.jsonl:1 is not a distill row"):
         train(tiny_config(tmp_path, broken), target=target, progress=False)
     outside = tmp_path / "outside.jsonl"
-    outside.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 999, 4]}) + "\n")
-    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+    outside.write_text("\n" + json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 999, 4]}) + "\n")
+    with pytest.raises(ValueError, match="outside.jsonl:2 has token ids outside the target's vocabulary"):
         train(tiny_config(tmp_path, outside), target=target, progress=False)
     fractional = tmp_path / "fractional.jsonl"
     fractional.write_text(json.dumps({"prompt_ids": [1.7, 2.2], "response_ids": [3, 4, 5]}) + "\n")
@@ -458,7 +470,7 @@ def test_held_out_estimate_drafts_only_from_the_vocabulary(target, tmp_path):
     # an oracle speculator drafts the target's own answers; kept from every token the answers hold, it drafts
     # nothing right, so every method's estimate is exactly 1 (the estimate reads out as generate does)
     data = write_distill(tmp_path / "distill.jsonl", target, rows=6)
-    rows = load_sequences([str(data)], VOCAB, max_seq_len=64)
+    rows = read_sequences([str(data)], max_seq_len=64)
     batch = collate(rows, pad_id=0)
     trainer = SpeculatorTrainer(target, make_speculator(target, oracle=True).float(),
                                 TrainConfig(block_size=8, anchors_per_sequence=6))

@@ -57,10 +57,11 @@ from ..training import (
     _latest_checkpoint,
     check_options,
     check_resumable,
+    check_vocabulary,
     collate,
     fingerprint,
-    load_sequences,
     prepare,
+    read_sequences,
     start_run,
     write_run_config,
 )
@@ -147,7 +148,7 @@ class DiffusionTrainConfig:
 
 
 def collate_answers(rows: list[dict], pad_id: int, eos_id: int | None = None):
-    """Rows of `load_sequences` as ids (b, T), valid (b, T) bool (False: padding, attended by nothing) and answer
+    """Rows of `read_sequences` as ids (b, T), valid (b, T) bool (False: padding, attended by nothing) and answer
     (b, T) bool (the positions that may be masked). A row whose answer ends with `eos_id` is padded with `eos_id`
     instead and the padding counts as answer (LLaDA SFT: the decoder fills a fixed-length canvas, so the model must
     learn to fill what follows an answer with EOS); other rows (answers cut off) are padded with `pad_id`."""
@@ -390,7 +391,9 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
     plan, accelerator = start_run(config)
     output_dir = Path(config.output_dir)
 
-    # 1. Base, [MASK] id, data: everything that can be wrong is checked before the first step.
+    # 1. Data, base, [MASK] id: everything that can be wrong is checked before the first step, the data before the
+    # base loads.
+    sequences = read_sequences(config.data, config.max_seq_len)
     base_name = _base_name(config, base)
     if base is None:
         base, own_tokenizer = load_base(base_name, with_tokenizer=True)
@@ -399,7 +402,7 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
     facts = base_facts(base)
     model = DiffusionLM.from_causal_lm(base, mask_token_id=mask_id, shift_logits=config.shift_logits).float()
     del base  # a copy was taken; the caller's model is never modified
-    sequences = load_sequences(config.data, model.config.vocab_size, config.max_seq_len)
+    check_vocabulary(sequences, model.config.vocab_size)
     if any(mask_id in row["ids"] for row in sequences):
         raise ValueError(f"mask_token_id={mask_id} occurs in the training data: [MASK] must be a token the data never "
                          "uses; choose another reserved token id.")
