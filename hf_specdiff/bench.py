@@ -352,13 +352,9 @@ def load_models(config: BenchConfig, target=None, tokenizer=None, speculator=Non
         path = config.speculator or hf_specdiff.default_speculator_path()
         speculator = hf_specdiff.AutoSpeculator.from_pretrained(path)
     if target is None:
-        if config.target is None:
-            target, tokenizer = hf_specdiff.load_default_target(dtype=dtype)
-        else:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+        from .embedded import load_target
 
-            target = AutoModelForCausalLM.from_pretrained(config.target, dtype=dtype)
-            tokenizer = AutoTokenizer.from_pretrained(config.target)
+        target, tokenizer = load_target(config.target, dtype=dtype)
     target = hf_specdiff.enable(target.to(config.device).eval())
     return target, tokenizer, speculator.to(device=config.device, dtype=dtype)
 

@@ -170,15 +170,9 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
     done = answered_ids(output) if output.is_file() else set()
 
     if target is None:
-        if config.target is None:
-            from .embedded import load_default_target
+        from .embedded import load_target
 
-            target, tokenizer = load_default_target(dtype=getattr(torch, config.dtype))
-        else:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            target = AutoModelForCausalLM.from_pretrained(config.target, dtype=getattr(torch, config.dtype))
-            tokenizer = AutoTokenizer.from_pretrained(config.target)
+        target, tokenizer = load_target(config.target, dtype=getattr(torch, config.dtype))
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError("distill needs the target's tokenizer with a chat template.")
     target = target.to(config.device).eval()

@@ -217,3 +217,21 @@ def load_default_target(dtype="float32", device: str | None = None, cache_dir=No
     if device is not None:
         model = model.to(device)
     return model.eval(), tokenizer
+
+
+def load_target(path_or_repo_id: str | None, dtype="float32", with_tokenizer: bool = True):
+    """`(model, tokenizer)` of the target a command names: None is the embedded SmolLM2-135M-Instruct, else a local
+    folder or Hub id of a causal LM (tokenizer None when `with_tokenizer` is False). A path that holds no model fails
+    with what to do, before transformers would guess at a Hub repo or a config it cannot read."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ._hub import check_folder_or_repo_id, find_file
+
+    if path_or_repo_id is None:
+        model, tokenizer = load_default_target(dtype=dtype)
+        return model, tokenizer if with_tokenizer else None
+    check_folder_or_repo_id(path_or_repo_id, "target")
+    find_file(str(path_or_repo_id), "config.json", "target", "Point at a causal LM's folder (its config.json beside "
+              "the weights), or leave the target out for the embedded SmolLM2-135M-Instruct.")
+    model = AutoModelForCausalLM.from_pretrained(path_or_repo_id, dtype=dtype)
+    return model.eval(), AutoTokenizer.from_pretrained(path_or_repo_id) if with_tokenizer else None

@@ -725,13 +725,9 @@ def save_speculator(speculator: Speculator, output_dir: Path, step: int) -> None
 
 
 def _load_target(path: str | None):
-    from transformers import AutoModelForCausalLM
+    from .embedded import load_target
 
-    if path is None:
-        from .embedded import load_default_target
-
-        return load_default_target()[0]
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return load_target(path, dtype=torch.float32, with_tokenizer=False)[0]
 
 
 def _latest_checkpoint(folder: Path) -> Path | None:

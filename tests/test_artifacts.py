@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import hf_specdiff
 from hf_specdiff import AutoSpeculator, Speculator
+from hf_specdiff.embedded import load_target
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 2, 4, 2, 16, 128
 
@@ -363,7 +364,7 @@ def test_a_missing_local_path_says_so_for_every_artifact(path):
     from hf_specdiff.diffusion import AutoDiffusionLM
 
     for load, what in ((AutoSpeculator.from_pretrained, "speculator"), (AutoDiffusionLM.from_pretrained, "diffusion LM"),
-                       (hf_specdiff.DraftGraph.from_pretrained, "draft graph")):
+                       (hf_specdiff.DraftGraph.from_pretrained, "draft graph"), (load_target, "target")):
         with pytest.raises(FileNotFoundError, match=f"No {what} at '{path}': no such folder"):
             load(path)
 
@@ -375,7 +376,8 @@ def test_a_folder_without_the_artifacts_file_says_so(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")  # something else is there
     for load, what, file in ((AutoSpeculator.from_pretrained, "speculator", "config.json"),
                              (AutoDiffusionLM.from_pretrained, "diffusion LM", "config.json"),
-                             (hf_specdiff.DraftGraph.from_pretrained, "draft graph", "spiffy_graph.json")):
+                             (hf_specdiff.DraftGraph.from_pretrained, "draft graph", "spiffy_graph.json"),
+                             (load_target, "target", "config.json")):  # what `--target` of every command loads
         with pytest.raises(OSError, match=f"No {what} at '{tmp_path}': the folder has no {file}. (Point|Calibrate)"):
             load(tmp_path)
 

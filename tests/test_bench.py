@@ -47,7 +47,7 @@ def _two_prompts(tmp_path) -> Path:
 
 @pytest.mark.parametrize("batch_size", [[1], [1, 2]])
 def test_a_wrong_speculator_or_prompt_file_fails_before_the_target_loads(tmp_path, monkeypatch, batch_size):
-    monkeypatch.setattr(hf_specdiff, "load_default_target", lambda **_: pytest.fail("the target loaded first"))
+    monkeypatch.setattr("hf_specdiff.embedded.load_target", lambda *_, **__: pytest.fail("the target loaded first"))
     missing = tmp_path / "no-speculator"
     with pytest.raises(FileNotFoundError, match="No speculator at"):
         run_bench(BenchConfig(prompts=str(_two_prompts(tmp_path)), speculator=str(missing), batch_size=batch_size,
