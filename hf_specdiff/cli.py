@@ -34,7 +34,7 @@ def _add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
                                 help=described)
         elif base is bool:
             action = parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-            action.help = described  # set after: some Pythons' BooleanOptionalAction appends its own default
+            action.help = described  # set after: Python 3.10's BooleanOptionalAction appends its own default
         else:
             parser.add_argument(flag, type=_or_none(base) if optional else base, default=default,
                                 choices=f.metadata.get("choices"), help=described)
