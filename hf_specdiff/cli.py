@@ -689,6 +689,3 @@ def console_main(argv: list[str] | None = None) -> int:
             raise
         raise SystemExit(f"hf-specdiff: {type(error).__name__}: {error}") from None
 
-
-if __name__ == "__main__":
-    sys.exit(console_main())

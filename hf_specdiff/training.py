@@ -649,7 +649,9 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
     # Everything that can be wrong is checked before the first step, the data before the target loads.
     sequences = read_sequences(config.data, config.max_seq_len)
     if target is None:
-        target = _load_target(config.target)
+        from .embedded import load_target
+
+        target = load_target(config.target, dtype=torch.float32, with_tokenizer=False)[0]
     check_vocabulary(sequences, target.get_input_embeddings().weight.shape[0])
     holdout, sequences = split_holdout(sequences, config)
     speculator, config = build_speculator(config, target)
@@ -722,12 +724,6 @@ def save_speculator(speculator: Speculator, output_dir: Path, step: int) -> None
     card's step count and held-out figures must be those of the weights it ships."""
     speculator.save_pretrained(output_dir / "speculator")
     (output_dir / SAVED_STEP_FILE).write_text(json.dumps({"step": step}) + "\n")
-
-
-def _load_target(path: str | None):
-    from .embedded import load_target
-
-    return load_target(path, dtype=torch.float32, with_tokenizer=False)[0]
 
 
 def _latest_checkpoint(folder: Path) -> Path | None:

@@ -70,9 +70,8 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path, target):
 
 def test_bad_data_fails_before_the_target_loads(tmp_path, monkeypatch):
     """A real target takes minutes to load: a missing or broken data file must not wait for it."""
-    import hf_specdiff.training as training
-
-    monkeypatch.setattr(training, "_load_target", lambda name: pytest.fail("the target loaded before the data was read"))
+    monkeypatch.setattr("hf_specdiff.embedded.load_target",
+                        lambda *_, **__: pytest.fail("the target loaded before the data was read"))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         train(tiny_config(tmp_path, tmp_path / "missing.jsonl"), progress=False)
     (tmp_path / "broken.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
