@@ -18,6 +18,8 @@
 #   CURVE_LIMIT        GSM8K prompts of the batch curve (default 64), decoded at every size of
 #   CURVE_SIZES        the batch curve's sizes (default "1 4 16 32 64")
 #   MAX_NEW_TOKENS     per answer in every bench (default 256)
+#   BENCH_METHODS      the methods of the batch-1 bench of `speculator` and `speed` (default: all of the stage's;
+#                      e.g. "ar dflash xpress markov" leaves out the compiled ones, which take minutes to compile)
 #   QUICK=1            a CPU smoke run of the whole script: a few training steps, 2 prompts, short answers
 #
 # Everything lands in OUT: the artifact, train logs, bench JSON / Markdown / plots, and the commands that made them.
@@ -47,12 +49,12 @@ export HF_SPECDIFF_DATA="$data"
 run() { echo "+ $*" | tee -a "$out/commands.txt"; "$@"; }
 
 if [[ "$stage" == speculator ]]; then
+  read -r -a methods <<< "${BENCH_METHODS:-ar ar_static dflash xpress markov dflash_static xpress_static dflash_hf prompt_lookup}"
   run hf-specdiff train --config "$here/configs/smollm2-135m-gpu.json" --output-dir "$out/train" \
       --data "$distill/gsm8k_train.jsonl" "$distill/sharegpt.jsonl" "${budget[@]}" "${quick[@]}" \
       "${quick_speculator[@]}"
   bench=(hf-specdiff bench --datasets gsm8k humaneval mt_bench --limit "$limit" --max-new-tokens "$tokens"
-         --methods ar ar_static dflash xpress markov dflash_static xpress_static dflash_hf prompt_lookup
-         --jacobi-passes 1 2 4 --dtype "$dtype")
+         --methods "${methods[@]}" --jacobi-passes 1 2 4 --dtype "$dtype")
   run "${bench[@]}" --speculator "$out/train/speculator" --json "$out/bench.json" --markdown "$out/bench.md" \
       --plots "$out"
   run hf-specdiff bench --speculator "$out/train/speculator" --datasets gsm8k --limit "$curve_limit" \
@@ -78,8 +80,9 @@ elif [[ "$stage" == diffusion ]]; then
   run "${bench[@]}" --target "$out/diffusion_lm" --json "$out/bench.json" --markdown "$out/bench.md" --plots "$out"
   run "${export[@]}" --bench-json "$out/bench.json" --bench-command "${bench[*]} --target <this folder>"
 elif [[ "$stage" == speed ]]; then
+  read -r -a methods <<< "${BENCH_METHODS:-ar ar_static dflash xpress dflash_static xpress_static prompt_lookup dflash_hf}"
   run hf-specdiff bench --datasets gsm8k --limit "$limit" --max-new-tokens "$tokens" --jacobi-passes 4 \
-      --methods ar ar_static dflash xpress dflash_static xpress_static prompt_lookup dflash_hf --dtype "$dtype" \
+      --methods "${methods[@]}" --dtype "$dtype" \
       --json "$out/bench.json" --markdown "$out/bench.md" --plots "$out"
   run python "$here/loop_overhead.py" --new-tokens "$tokens" | tee "$out/loop_overhead.txt"
   run python "$here/verify_cost.py" --dtype "$dtype" "${verify[@]}" | tee "$out/verify_cost.txt"

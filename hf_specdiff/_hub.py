@@ -46,6 +46,45 @@ def find_file(path_or_repo_id: str, filename: str, what: str, remedy: str, **hub
     return found
 
 
+# where `cached_file` looks for a file (the download options of transformers' `from_pretrained`)
+HUB_OPTIONS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies", "subfolder")
+
+
+def check_hub_options(kwargs: dict, what: str) -> None:
+    if unknown := sorted(set(kwargs) - set(HUB_OPTIONS)):
+        raise TypeError(f"from_pretrained of a {what} got unsupported arguments {unknown}; it takes the Hub options "
+                        f"{', '.join(HUB_OPTIONS)}.")
+
+
+# transformers' `push_to_hub` options that shape the Hub commit (the others shape the saved files, or nothing here)
+UPLOAD_OPTIONS = ("commit_message", "commit_description", "private", "token", "revision", "create_pr")
+
+
+def upload_folder(folder: Path, repo_id: str, commit_message: str, commit_description: str | None = None,
+                  private: bool | None = None, token: str | bool | None = None, revision: str | None = None,
+                  create_pr: bool = False):
+    """Upload `folder` to the model repo `repo_id` as one commit, as transformers' `push_to_hub` does: the repo is
+    created if need be, and a branch `revision` too (unless it names a pull request). Returns the commit info."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    if revision is not None and not revision.startswith("refs/pr"):
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
+                             commit_description=commit_description, revision=revision, create_pr=create_pr)
+
+
+def split_push_options(kwargs: dict, save_options: tuple[str, ...], what: str) -> tuple[dict, dict]:
+    """`push_to_hub`'s keyword arguments as (those of the commit, those of `save_pretrained`); any other is refused
+    before anything is created on the Hub (a silently dropped `revision` would commit to main)."""
+    if unknown := sorted(set(kwargs) - set(UPLOAD_OPTIONS) - set(save_options)):
+        raise TypeError(f"push_to_hub of a {what} got unsupported arguments {unknown}; it takes repo_id, "
+                        f"{', '.join(UPLOAD_OPTIONS)}{''.join(', ' + name for name in save_options)}.")
+    return ({k: v for k, v in kwargs.items() if k in UPLOAD_OPTIONS},
+            {k: v for k, v in kwargs.items() if k in save_options})
+
+
 def share_like_umask(folder: Path) -> None:
     """Give `folder` and its files the modes a plain `open()` / `mkdir()` would: safetensors writes its files 0600 (and
     `mkdtemp` makes a folder 0700), which would lock other users out of a shared cache or an exported artifact."""

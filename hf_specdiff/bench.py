@@ -140,10 +140,31 @@ def _check_limit(limit: int) -> None:
         raise ValueError(f"--limit must be >= 0 (prompts per dataset or from --prompts; 0: all), got {limit}.")
 
 
+def text_lines(path: str | Path):
+    """Yield (line number, line) of a UTF-8 text file; a folder, and bytes that are not UTF-8 (named by file:line),
+    are refused with what to do."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder: give the path of a JSONL file.")
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file.")
+    try:
+        with path.open(encoding="utf-8") as lines:
+            yield from enumerate(lines, 1)
+    except UnicodeDecodeError:  # the reader decodes a chunk at a time: find the line in the whole file
+        data = path.read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            line = data[: error.start].count(b"\n") + 1
+            raise ValueError(f"{path}:{line} is not UTF-8 text ({error.reason}): save the file as UTF-8.") from None
+        raise
+
+
 def json_lines(path: str | Path, example: str):
     """Yield (line number, "file:line", parsed row) for each non-blank line of a JSONL file; a line that is not JSON
     is named by file:line, with `example` (one good line) in the message."""
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for number, line in text_lines(path):
         if not line.strip():
             continue
         where = f"{path}:{number}"
@@ -351,6 +372,10 @@ def load_models(config: BenchConfig, target=None, tokenizer=None, speculator=Non
     if speculator is None:  # first: a wrong path fails before the target loads, which can take minutes
         path = config.speculator or hf_specdiff.default_speculator_path()
         speculator = hf_specdiff.AutoSpeculator.from_pretrained(path)
+    block_size = speculator.drafter.config.block_size
+    if config.num_draft_tokens is not None and not 1 <= config.num_draft_tokens < block_size:
+        raise ValueError(f"--num-draft-tokens {config.num_draft_tokens}: the speculator's blocks of {block_size} slots "
+                         f"offer 1 to {block_size - 1} drafts.")
     if target is None:
         from .embedded import load_target
 
@@ -364,7 +389,13 @@ def check_bench_config(config: BenchConfig, methods: tuple[str, ...]) -> None:
     _check_limit(config.limit)
     if config.temperature < 0:
         raise ValueError(f"--temperature must be >= 0 (0: greedy), got {config.temperature}.")
+    if config.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {config.max_new_tokens}.")
+    if any(k < 1 for k in config.jacobi_passes):
+        raise ValueError(f"--jacobi-passes must each be >= 1, got {list(config.jacobi_passes)}.")
     torch_dtype(config.dtype)
+    _check_device(config.device)
+    _check_output_paths(config)
     unknown = [m for m in config.methods if m not in methods]
     if unknown:
         raise ValueError(f"Unknown methods {unknown}; choose from {', '.join(methods)}.")
@@ -373,6 +404,32 @@ def check_bench_config(config: BenchConfig, methods: tuple[str, ...]) -> None:
         repeated = sorted({v for v in values if list(values).count(v) > 1})
         if repeated:  # two runs of one name would be merged into one row
             raise ValueError(f"--{option} lists {repeated} more than once; give each value once.")
+
+
+def _check_device(name: str) -> None:
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"--device {name!r} is not a torch device ({error}).") from None
+    available = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available,
+                 "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available()}.get(device.type, lambda: True)
+    if not available():
+        raise ValueError(f"--device {name}: this torch ({torch.__version__}) sees no {device.type} device; use --device "
+                         "cpu, or install the torch build for your accelerator.")
+
+
+def _check_output_paths(config: BenchConfig) -> None:
+    """A results file or plots folder that could not be written fails now, not after the whole run."""
+    for option, path, folder in (("--json", config.json, False), ("--markdown", config.markdown, False),
+                                 ("--plots", config.plots, True)):
+        if not path:
+            continue
+        path = Path(path)
+        if path.exists() and path.is_dir() != folder:
+            raise ValueError(f"{option} {path}: {'a file' if folder else 'a folder'} is there; give another path.")
+        existing = next(p for p in (path, *path.parents) if p.exists())  # what must let it be written or made
+        if not os.access(existing, os.W_OK) or (existing != path and not existing.is_dir()):
+            raise ValueError(f"{option} {path}: cannot write there ({existing} is not writable, or not a folder).")
 
 
 # options only the diffusion-LM methods read
@@ -398,6 +455,19 @@ def check_ar_options(config: BenchConfig) -> None:
     if unused:
         raise ValueError(f"{'; '.join(unused)}: no method in --methods {list(config.methods)} uses it. Add such a "
                          "method or drop the option.")
+
+
+_AR_OPTIONS = ("jacobi_passes", "num_draft_tokens", "compile", "speculator")
+
+
+def check_diffusion_options(config: BenchConfig) -> None:
+    """Autoregressive-bench options set for a run of diffusion methods, which none of them uses."""
+    defaults = BenchConfig()
+    if changed := [name for name in _AR_OPTIONS if getattr(config, name) != getattr(defaults, name)]:
+        raise ValueError(
+            f"{', '.join('--' + name.replace('_', '-') for name in changed)}: the diffusion methods "
+            f"{list(config.methods)} do not use it (the speculative methods do: ar, dflash, xpress, ...). Drop it."
+        )
 
 
 def generate_kwargs(config: BenchConfig) -> dict:
@@ -664,8 +734,10 @@ def _environment(target, config, speculator=None) -> dict:
 def _prompt_source(result: dict) -> str:
     config = result["config"]
     if config.get("prompts"):
-        return f"{result['summary'][result['runs'][0]]['prompts']} prompts from {config['prompts']}"
-    return f"datasets {config['datasets']}, {config['limit']} prompts each"
+        count = result["summary"][result["runs"][0]]["prompts"]
+        return f"{count} prompt{'s' * (count != 1)} from {config['prompts']}"
+    limit = config["limit"]
+    return f"datasets {config['datasets']}, " + (f"{limit} prompt{'s' * (limit != 1)} each" if limit else "all prompts")
 
 
 def _drafts_per_block(result: dict) -> str:
@@ -776,6 +848,7 @@ def write_outputs(result: dict, config: BenchConfig) -> None:
         Path(config.json).parent.mkdir(parents=True, exist_ok=True)
         Path(config.json).write_text(json.dumps(result, indent=1))
     if config.markdown:
+        Path(config.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(config.markdown).write_text(table(result) + "\n")
     if config.plots:
         plots(result, config.plots)

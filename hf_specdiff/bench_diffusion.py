@@ -123,9 +123,10 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
     from .diffusion.adapter_weights import load_base, named_base
     from .spiffy import DraftGraph
 
-    from .bench import check_bench_config
+    from .bench import check_bench_config, check_diffusion_options
 
     check_bench_config(config, DIFFUSION_METHODS)
+    check_diffusion_options(config)
     if list(config.batch_size) != [1]:
         raise ValueError(f"Diffusion benchmarks decode prompt by prompt; drop --batch-size {config.batch_size} (the "
                          "batch curve measures the autoregressive speculative methods).")
@@ -175,8 +176,11 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
         synchronize(ids.device)
         start = time.perf_counter()
         if method == "ar_base":
+            # sampled at the diffusion methods' temperature, greedy at 0
+            sampling = dict(do_sample=True, temperature=config.temperature) if config.temperature > 0 else dict(
+                do_sample=False)
             sequences = base_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=config.max_new_tokens,
-                                            do_sample=False, eos_token_id=eos, pad_token_id=eos)
+                                            eos_token_id=eos, pad_token_id=eos, **sampling)
             nfe, exact, accepted = sequences.shape[1] - ids.shape[1], True, 0  # a forward per token, prefill's too
         else:
             spiffy = graph if method.startswith("spiffy") else None

@@ -14,12 +14,15 @@ from . import __version__
 from ._hub import can_only_be_a_path, share_like_umask
 
 
-def _add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
-    """One `--field-name` per dataclass field, its help from the field's `metadata["help"]` (as transformers'
-    HfArgumentParser reads it) and its choices from `metadata["choices"]`; lists take several values; an optional
-    field takes `none`; a JSON `--config` file sets defaults."""
+def _add_dataclass_arguments(parser: argparse.ArgumentParser, cls, exclude: tuple[str, ...] = ()) -> None:
+    """One `--field-name` per dataclass field (but those in `exclude`, which keep their defaults), its help from the
+    field's `metadata["help"]` (as transformers' HfArgumentParser reads it) and its choices from
+    `metadata["choices"]`; lists take several values; an optional field takes `none`; a JSON `--config` file sets
+    defaults."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
         hint = hints[f.name]
         args = typing.get_args(hint)
         optional = bool(args) and type(None) in args
@@ -52,7 +55,8 @@ def _or_none(convert):
 
 
 def _dataclass_from_args(cls, args: argparse.Namespace):
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    """`cls` from the parsed options; a field the command has no option for keeps its default."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name in vars(args)})
 
 
 def _parse(parser: argparse.ArgumentParser, subparsers: dict, argv: list[str] | None) -> argparse.Namespace:
@@ -88,6 +92,8 @@ def _check_config_types(path: str, parser: argparse.ArgumentParser, values: dict
         action = actions.get(name)
         if action is None or value is None:
             continue
+        if isinstance(value, list) and action.nargs in (None, 0):
+            raise SystemExit(f"{path}: {name} takes one value, got the list {value!r}.")
         items = value if isinstance(value, list) else [value]
         kind = inspect.unwrap(action.type) if action.type else None
         if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
@@ -98,6 +104,9 @@ def _check_config_types(path: str, parser: argparse.ArgumentParser, values: dict
             ok = all(isinstance(item, kinds) and not isinstance(item, bool) for item in items)
         elif action.choices is not None:
             expected, ok = f"one of {list(action.choices)}", all(item in action.choices for item in items)
+        elif kind in (None, str):  # paths, names: 5 for an output folder would fail deep in the run
+            expected, ok = "a string" + (" or a list of strings" if action.nargs else ""), all(
+                isinstance(item, str) for item in items)
         else:
             continue
         if not ok:
@@ -454,11 +463,13 @@ def calibrate(args) -> None:
     from .bench import BenchConfig, load_prompts, torch_dtype
     from .diffusion import AutoDiffusionLM, DiffusionGenerationConfig, load_tokenizer
     from .spiffy import calibrate as calibrate_graph
+    from .spiffy import check_calibration_options
 
     options = _dataclass_from_args(CalibrateConfig, args)
     decoding = _dataclass_from_args(DiffusionGenerationConfig, args)
     if not options.model:
         raise SystemExit("--model is required: a diffusion LM folder or Hub id.")
+    check_calibration_options(options.num_nodes, options.max_depth, options.num_token_ranks)
     dtype = torch_dtype(options.dtype)
     # the prompts first: a wrong dataset, file or limit fails before the model loads
     chats = load_prompts(BenchConfig(datasets=options.datasets, prompts=options.prompts, limit=options.limit,
@@ -562,26 +573,23 @@ def _draft_vocab_options(parser: argparse.ArgumentParser) -> None:
 def draft_vocab(args) -> None:
     """Count the answers' tokens, keep the target's EOS ids and the `--size` most frequent, write them beside the
     speculator's weights, and say how much of the answers they cover."""
-    import json
     from pathlib import Path
 
     from transformers import GenerationConfig
 
     from .draft_vocab import top_tokens
     from .embedded import default_target_path
+    from .bench import json_lines
     from .speculator import saved_vocab_size, write_draft_vocab
 
     saved_vocab_size(args.speculator)  # a folder without a speculator is refused before the data is read
     answers = []
     for path in args.data:
-        with Path(path).open() as rows:
-            for number, line in enumerate(rows, 1):
-                if line.strip():
-                    try:
-                        answers.append([int(t) for t in json.loads(line)["response_ids"]])
-                    except (ValueError, KeyError, TypeError) as error:
-                        raise ValueError(f"{path}:{number} is not a distill row with integer `response_ids` "
-                                         f"({error}).") from error
+        for _, where, row in json_lines(path, '{"response_ids": [1, 2, 3]}'):
+            answer = row.get("response_ids") if isinstance(row, dict) else None
+            if not isinstance(answer, list) or any(type(t) is not int for t in answer):  # 2.7 is no token id
+                raise ValueError(f"{where} is not a distill row with integer `response_ids` (a list of token ids).")
+            answers.append(answer)
     eos = GenerationConfig.from_pretrained(args.target or default_target_path()).eos_token_id
     vocab = top_tokens(answers, args.size, always=eos)
     write_draft_vocab(args.speculator, vocab)
@@ -597,7 +605,8 @@ def _calibrate_options(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--config", help="JSON file with CalibrateConfig and DiffusionGenerationConfig fields")
     _add_dataclass_arguments(parser, CalibrateConfig)
-    _add_dataclass_arguments(parser, DiffusionGenerationConfig)
+    # calibration records ordinary decoding: how many drafts Spiffy verifies is chosen where it decodes (bench, generate)
+    _add_dataclass_arguments(parser, DiffusionGenerationConfig, exclude=("max_drafts",))
 
 
 # Each command, its one-line help and what adds its options. Only the command being run gets its options: most of
@@ -651,8 +660,8 @@ def main(argv: list[str] | None = None) -> int:
 
         config = _dataclass_from_args(BenchConfig, args)
         result = bench(config)
+        print(result_table(result, config))  # first: the run's figures are shown whatever happens to the files
         write_outputs(result, config)
-        print(result_table(result, config))
     elif args.command == "demo":
         _check_demo_flags(args)
         device = args.device or ("cuda" if _cuda() else "cpu")

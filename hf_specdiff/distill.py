@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,7 +128,7 @@ def collect_prompts(config: DistillConfig) -> list[tuple[str, str]]:
             found = [(f"gsm8k-train-{i}", json.loads(r)["question"]) for i, r in enumerate(rows) if r.strip()]
         elif source == "sharegpt":
             found = list(sharegpt_first_turns(4 * (config.limit or 0) or None))  # drawn from the first 4 * limit
-        elif Path(source).is_file():
+        elif Path(source).exists():  # a file, or a folder that read_prompt_file refuses as one
             found = read_prompt_file(source)
         elif Path(source).suffix or "/" in source or "\\" in source:
             raise FileNotFoundError(f"--sources {source}: no such file. Give the path of a JSONL file of prompts, or "
@@ -137,6 +138,11 @@ def collect_prompts(config: DistillConfig) -> list[tuple[str, str]]:
                              'of {"prompt": ...} rows.')
         random.Random(config.seed).shuffle(found)
         prompts += found[: config.limit or None]
+    # a resumed run takes an id it finds in the output as answered: two prompts under one id would lose one
+    if repeated := sorted(i for i, count in Counter(i for i, _ in prompts).items() if count > 1):
+        raise ValueError(f"Prompt ids {repeated[:3]} occur more than once across --sources (rows without an `id` are "
+                         "named <file stem>-<line>, so two files of one name collide): give the rows their own `id` "
+                         "fields, or rename a file.")
     return prompts
 
 

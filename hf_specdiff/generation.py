@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import time
 import types
 from dataclasses import dataclass
@@ -434,7 +435,9 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
         if bool((mask[:, 1:] < mask[:, :-1]).any()):
             raise ValueError(
                 "speculation=... needs LEFT-padded prompts, but the attention_mask has padding after a token (right "
-                "padding?). Pad on the left: tokenizer.padding_side = 'left' before tokenizing the batch."
+                "padding?). Pad on the left: tokenizer.padding_side = 'left' before tokenizing the batch. (Without "
+                "an attention_mask, generate infers one from pad_token_id, and a prompt holding that token inside it "
+                "looks padded there: pass the tokenizer's attention_mask.)"
             )
         if not bool(mask.any(dim=1).all()):
             raise ValueError("speculation=... got a prompt that is all padding; give every row at least one token.")
@@ -443,6 +446,11 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
         raise ValueError(
             "speculation=... sizes its own static cache (a block past max_length): pass cache_implementation='static' "
             "instead of a StaticCache object."
+        )
+    if cache is not None and not isinstance(cache, (DynamicCache, StaticCache)):
+        raise ValueError(
+            f"speculation=... rolls the cache back past rejected drafts, and a {type(cache).__name__} cannot be rolled "
+            "back. Pass no cache (the default dynamic one), or cache_implementation='static' (batch 1)."
         )
     if cache is not None and not isinstance(cache, StaticCache) and cache.get_seq_length() > 0:
         raise ValueError("speculation=... starts from an empty cache; do not pass a pre-filled cache.")
@@ -584,11 +592,46 @@ def _attention_types(config) -> set[str]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _speculative_generate(model, *args, speculation=None, assistant_model=None, num_jacobi_passes=None,
-                          num_draft_tokens=None, **kwargs):
+def _arguments_by_name(generate, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`generate`'s arguments by name: an option passed by position (`generate(ids, config, processors)`) is then
+    checked and handled as the same option passed by keyword. Returns the arguments left positional (all of them for
+    a `generate(self, *args, **kwargs)` override, whose names are not known) and the keywords."""
+    parameters = list(inspect.signature(generate).parameters.values())[1:]  # after self
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+        return args, kwargs
+    named = [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    if len(args) > len(named):
+        raise TypeError(f"generate() takes at most {len(named)} positional arguments ({len(args)} given).")
+    for name, value in zip(named, args):
+        if name in kwargs:
+            raise TypeError(f"generate() got multiple values for argument '{name}'.")
+        kwargs[name] = value
+    return (), kwargs
+
+
+def _check_position_ids(kwargs: dict) -> None:
+    """The loop gives each row's tokens the positions its attention mask implies, as `generate` does when none are
+    passed: position ids passed with other values would be dropped, so they are refused."""
+    if kwargs.get("position_ids") is None:
+        return
+    position_ids = torch.as_tensor(kwargs["position_ids"]).long()
+    mask = kwargs.get("attention_mask")
+    mask = torch.ones_like(position_ids) if mask is None else mask.to(position_ids.device)
+    real = mask.bool()
+    if position_ids.shape != mask.shape or not torch.equal(position_ids[real], (mask.long().cumsum(-1) - 1)[real]):
+        raise ValueError(
+            "speculation=... numbers each row's tokens from 0 at its first real token (the positions the attention "
+            "mask implies, which generate computes when none are passed), and these position_ids differ. Remove "
+            "`position_ids`, or generate without speculation."
+        )
+
+
+def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None, num_draft_tokens=None, **kwargs):
     from .speculator import Speculator
 
     generate = type(model).generate
+    args, kwargs = _arguments_by_name(generate, args, kwargs)
+    assistant_model = kwargs.pop("assistant_model", None)
     if speculation is None:
         if isinstance(assistant_model, Speculator):
             if kwargs.get("speculation_type") != "dflash":
@@ -630,6 +673,7 @@ def _speculative_generate(model, *args, speculation=None, assistant_model=None, 
             f"1 to {assistant_model.drafter.config.block_size - 1} drafts (the first slot is the anchor)."
         )
     assistant_model.check_compatible(model, speculation)
+    _check_position_ids(kwargs)
     # before `generate` starts: it heals tokens (token_healing) and builds the cache (an offloaded one already fails
     # on some machines) before it hands over to the loop
     generation_config = copy.copy(kwargs.get("generation_config") or model.generation_config)
@@ -652,7 +696,12 @@ def _speculative_generate(model, *args, speculation=None, assistant_model=None, 
             raise ValueError("`stop_strings` needs the tokenizer: pass tokenizer=... to generate.")
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
         criteria.append(StopStringCriteria(tokenizer, stop_strings))
-        kwargs.update(stopping_criteria=criteria, stop_strings=None)
+        kwargs["stopping_criteria"] = criteria
+        if "stop_strings" in kwargs or kwargs.get("generation_config") is None:
+            kwargs["stop_strings"] = None
+        else:  # cleared in a copy of the config: a keyword beside a config draws transformers' deprecation warning
+            kwargs["generation_config"] = copy.copy(kwargs["generation_config"])
+            kwargs["generation_config"].stop_strings = None
 
     loop = functools.partial(
         speculative_decoding,

@@ -26,7 +26,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ._hub import SAVED_FOLDER, check_folder_or_repo_id, find_file
+from ._hub import (
+    SAVED_FOLDER,
+    UPLOAD_OPTIONS,
+    check_folder_or_repo_id,
+    find_file,
+    split_push_options,
+    upload_folder,
+)
 from .dflash import DFlashConfig, DFlashDraftModel, embedding_sample, full_attention_rope_parameters, spread_layer_ids
 from .draft_vocab import check_draft_vocab
 from .markov import MarkovConfig, MarkovHead
@@ -37,6 +44,7 @@ DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 FORMAT = "hf_specdiff.speculator"
 FORMAT_VERSION = 1
 _COMPONENTS = {"refiner": XPressRefiner, "markov_head": MarkovHead}
+_SAVE_OPTIONS = ("max_shard_size", "variant", "safe_serialization")  # passed to each part's save_pretrained
 
 
 class Speculator(nn.Module):
@@ -169,11 +177,15 @@ class Speculator(nn.Module):
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs) -> None:
         """Write the drafter at the top level (z-lab layout) and each add-on in its own subfolder. `push_to_hub=True`
-        then uploads the folder as one commit (`repo_id`, default: the folder's name; `commit_message`, `private`,
-        `token`); the other keyword arguments go to each part's `save_pretrained` (`max_shard_size`, ...)."""
-        hub = {name: kwargs.pop(name) for name in ("repo_id", "commit_message", "private", "token") if name in kwargs}
+        then uploads the folder as one commit (`repo_id`, default: the folder's name, and the commit options of
+        transformers' `push_to_hub`: `commit_message`, `commit_description`, `private`, `token`, `revision`,
+        `create_pr`); `max_shard_size`, `variant` and `safe_serialization` go to each part's `save_pretrained`."""
+        hub = {name: kwargs.pop(name) for name in ("repo_id", *UPLOAD_OPTIONS) if name in kwargs}
         if hub and not push_to_hub:
             raise TypeError(f"{sorted(hub)} only apply with push_to_hub=True.")
+        if unknown := sorted(set(kwargs) - set(_SAVE_OPTIONS)):
+            raise TypeError(f"save_pretrained of a speculator got unsupported arguments {unknown}; it takes "
+                            f"push_to_hub, repo_id, {', '.join(UPLOAD_OPTIONS)}, {', '.join(_SAVE_OPTIONS)}.")
         save_directory = Path(save_directory)
         self.drafter.save_pretrained(save_directory, **kwargs)
         components = []
@@ -190,14 +202,16 @@ class Speculator(nn.Module):
         if self.draft_vocab is not None:
             write_draft_vocab(save_directory, self.draft_vocab)
         if push_to_hub:
-            _upload(save_directory, hub.pop("repo_id", save_directory.name), **hub)
+            hub.setdefault("commit_message", "Upload speculator")
+            upload_folder(save_directory, hub.pop("repo_id", save_directory.name), **hub)
 
-    def push_to_hub(self, repo_id: str, commit_message: str = "Upload speculator", private: bool | None = None,
-                    token: str | None = None, **kwargs) -> str:
-        """Save to a temporary folder and upload it as one commit. Returns the commit URL."""
+    def push_to_hub(self, repo_id: str, commit_message: str = "Upload speculator", **kwargs):
+        """Save to a temporary folder and upload it as one commit (the options of `save_pretrained`'s
+        `push_to_hub=True`). Returns the commit info."""
+        upload, save = split_push_options(kwargs, _SAVE_OPTIONS, "speculator")
         with tempfile.TemporaryDirectory() as folder:
-            self.save_pretrained(folder)
-            return _upload(Path(folder), repo_id, commit_message, private, token, **kwargs)
+            self.save_pretrained(folder, **save)
+            return upload_folder(Path(folder), repo_id, commit_message, **upload)
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, dtype=None, device=None, **hub_kwargs) -> "Speculator":
@@ -207,19 +221,29 @@ class Speculator(nn.Module):
         path_or_repo_id = str(path_or_repo_id)
         check_folder_or_repo_id(path_or_repo_id, "speculator")
         subfolder = hub_kwargs.get("subfolder") or ""  # the add-ons' subfolders extend it
-        manifest = None
-        manifest_file = cached_file(
-            path_or_repo_id, MANIFEST, _raise_exceptions_for_missing_entries=False,
-            _raise_exceptions_for_connection_errors=False, **hub_kwargs,
-        )
-        if manifest_file is not None:
-            manifest = _read_manifest(manifest_file)
         config = _read_json_object(find_file(path_or_repo_id, "config.json", "speculator", SAVED_FOLDER, **hub_kwargs))
         if "DFlashDraftModel" not in (config.get("architectures") or []) or "dflash_config" not in config:
             raise ValueError(
                 f"{path_or_repo_id} is not a dFlash drafter checkpoint: its config.json needs architectures "
                 f"['DFlashDraftModel'] and a `dflash_config` (found architectures={config.get('architectures')})."
             )
+        manifest = None
+        manifest_file = cached_file(
+            path_or_repo_id, MANIFEST, _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False, **hub_kwargs,
+        )
+        # A z-lab drafter has none. hf_specdiff writes one beside every drafter it saves (their configs carry
+        # target_embedding_sample): missing there, it could not be fetched (offline and not in the local Hub cache, a
+        # connection error) or was left out of a copy, and the refiner and Markov head it lists would be dropped.
+        if manifest_file is None and config.get("target_embedding_sample") is not None:
+            raise OSError(
+                f"{path_or_repo_id} holds a drafter saved by hf_specdiff but no readable {MANIFEST} (offline and not "
+                "in the local Hub cache, the Hub unreachable, or the file left out of a copy). It lists the "
+                "speculator's refiner and Markov head, which loading without it would drop: copy the whole folder, or "
+                f"download the whole repo (`hf download {path_or_repo_id}`)."
+            )
+        if manifest_file is not None:
+            manifest = _read_manifest(manifest_file)
         drafter = _load_strict(DFlashDraftModel, path_or_repo_id, dtype, **hub_kwargs)
         parts = {}
         for name in (manifest or {}).get("components", []):
@@ -288,15 +312,6 @@ def _load_draft_vocab(path_or_repo_id: str, filename: str, vocab_size: int, **hu
     return tensors["token_ids"].long()
 
 
-def _upload(folder: Path, repo_id: str, commit_message: str = "Upload speculator", private: bool | None = None,
-            token: str | None = None, **kwargs) -> str:
-    from huggingface_hub import HfApi
-
-    api = HfApi(token=token)
-    api.create_repo(repo_id, private=private, exist_ok=True)
-    return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message, **kwargs)
-
-
 def _read_json_object(path: str) -> dict:
     try:
         value = json.loads(Path(path).read_text())
@@ -313,15 +328,22 @@ def _read_manifest(path: str) -> dict:
     manifest = _read_json_object(path)
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{path} is not an hf_specdiff speculator manifest (format={manifest.get('format')!r}).")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        newer = isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION
         raise ValueError(
-            f"{path} has speculator format version {manifest.get('format_version')}; this hf_specdiff reads version "
-            f"{FORMAT_VERSION}. Upgrade hf_specdiff."
+            f"{path} has speculator format version {version!r}; this hf_specdiff reads version {FORMAT_VERSION}. "
+            + ("Upgrade hf_specdiff." if newer else "No hf_specdiff wrote that: the file is corrupt; download or save "
+               "the speculator again.")
         )
     if not isinstance(manifest.get("draft_vocab", ""), str):
         raise ValueError(f"{path} names its draft vocabulary file with {manifest['draft_vocab']!r}, not a file name: "
                          "the speculator folder is corrupt; download or save it again.")
-    unknown = [c for c in manifest.get("components", []) if c not in _COMPONENTS]
+    components = manifest.get("components", [])
+    if not isinstance(components, list) or not all(isinstance(c, str) for c in components):
+        raise ValueError(f"{path} lists its components as {components!r}, not a list of names: the speculator folder "
+                         "is corrupt; download or save it again.")
+    unknown = [c for c in components if c not in _COMPONENTS]
     if unknown:
         raise ValueError(f"{path} lists unknown components {unknown}; known: {sorted(_COMPONENTS)}.")
     return manifest

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ._hub import check_folder_or_repo_id, find_file
+from ._hub import check_folder_or_repo_id, check_hub_options, find_file, split_push_options, upload_folder
 from .diffusion.decoding import DiffusionGenerationConfig, confidence, without_mask_token
 
 GRAPH_FORMAT_VERSION = 1
@@ -76,12 +76,14 @@ class DraftGraph:
         def bad(message):
             return ValueError(f"Invalid Spiffy draft graph: {message}. Recalibrate it with `hf-specdiff calibrate`.")
 
-        if not isinstance(self.block_length, int) or self.block_length < 1:
+        if isinstance(self.block_length, bool) or not isinstance(self.block_length, int) or self.block_length < 1:
             raise bad(f"block_length must be a positive integer, got {self.block_length!r}")
         if not self.nodes or len(self.parents) != len(self.nodes):
             raise bad(f"{len(self.nodes)} nodes but {len(self.parents)} parent lists")
         if self.counts and len(self.counts) != len(self.nodes):
             raise bad(f"{len(self.nodes)} nodes but {len(self.counts)} counts")
+        if wrong := [c for c in self.counts if isinstance(c, bool) or not isinstance(c, int) or c < 0]:
+            raise bad(f"counts must be integers >= 0, got {wrong[:3]}")
         for n, (pairs, parents) in enumerate(zip(self.nodes, self.parents)):
             positions = [i for i, _ in pairs]
             if not pairs or len(set(positions)) != len(positions):
@@ -90,6 +92,8 @@ class DraftGraph:
                 raise bad(f"node {n} has a position rank outside [0, {self.block_length}) or a negative token rank")
             if not parents:
                 raise bad(f"node {n} has no parent (use {ROOT} for the current state)")
+            if len(set(parents)) != len(parents):
+                raise bad(f"node {n} names a parent twice: {parents}")
             for p in parents:
                 if p != ROOT and not 0 <= p < n:
                     raise bad(f"node {n} names parent {p}; parents must come earlier in the list")
@@ -116,12 +120,17 @@ class DraftGraph:
                 f"Spiffy graph format_version {version!r} is not supported (this hf_specdiff reads "
                 f"{GRAPH_FORMAT_VERSION}); upgrade hf_specdiff or recalibrate the graph."
             )
+        def whole(value):  # JSON integers only: a float or a string would be truncated or parsed, true taken for 1
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{value!r} is not an integer")
+            return value
+
         try:  # parsing; what the fields mean is checked when the graph is built
             nodes = data["nodes"]
-            fields = dict(nodes=[[(int(i), int(j)) for i, j in n["pairs"]] for n in nodes],
-                          parents=[[int(p) for p in n["parents"]] for n in nodes],
-                          counts=[n["count"] for n in nodes] if all("count" in n for n in nodes) else [],
-                          block_length=data["block_length"], calibration=data.get("calibration", {}))
+            fields = dict(nodes=[[(whole(i), whole(j)) for i, j in n["pairs"]] for n in nodes],
+                          parents=[[whole(p) for p in n["parents"]] for n in nodes],
+                          counts=[whole(n["count"]) for n in nodes] if all("count" in n for n in nodes) else [],
+                          block_length=whole(data["block_length"]), calibration=data.get("calibration", {}))
         except (KeyError, TypeError, ValueError) as error:  # a missing field, a pair that is not (int, int), ...
             raise ValueError(f"Spiffy graph JSON is malformed ({type(error).__name__}: {error}); recalibrate it.") \
                 from error
@@ -135,9 +144,13 @@ class DraftGraph:
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | Path, **hub_kwargs) -> DraftGraph:
-        """Load from a folder holding spiffy_graph.json, the file itself, or a Hub repo id."""
+        """Load from a folder holding spiffy_graph.json, the file itself, or a Hub repo id (`hub_kwargs`: transformers'
+        download options, `revision`, `subfolder`, `cache_dir`, ...)."""
+        check_hub_options(hub_kwargs, "Spiffy draft graph")
         path = Path(path_or_repo_id)
         if path.is_file():
+            if hub_kwargs:
+                raise TypeError(f"{path} is a file: the Hub options {sorted(hub_kwargs)} do not apply; drop them.")
             file = path
         else:
             check_folder_or_repo_id(path_or_repo_id, "draft graph")
@@ -150,14 +163,15 @@ class DraftGraph:
             raise ValueError(f"{file} is not valid JSON ({error}); recalibrate the graph.") from error
         return cls.from_dict(data)
 
-    def push_to_hub(self, repo_id: str, **kwargs):
+    def push_to_hub(self, repo_id: str, commit_message: str = "Upload Spiffy draft graph", **kwargs):
+        """Upload spiffy_graph.json as one commit (transformers' commit options: `commit_description`, `private`,
+        `token`, `revision`, `create_pr`), creating the repo if need be. Returns the commit info."""
         import tempfile
 
-        from huggingface_hub import HfApi
-
+        upload, _ = split_push_options(kwargs, (), "Spiffy draft graph")
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder)
-            return HfApi().upload_folder(repo_id=repo_id, folder_path=folder, **kwargs)
+            return upload_folder(Path(folder), repo_id, commit_message, **upload)
 
     def check_compatible(self, config: DiffusionGenerationConfig, vocab_size: int | None = None) -> None:
         if vocab_size is not None and self.max_token_rank >= vocab_size:
@@ -236,7 +250,7 @@ def propose_drafts(graph: DraftGraph, state, in_hand, mask_token_id: int, config
     d = len(graph)
     node_usable = torch.zeros(b, d, device=state.device).index_add_(1, g["pair_node"], (~usable_pair).float()) == 0
     states = state[:, None].repeat(1, d, 1)
-    states.view(b, -1).scatter_(1, g["pair_node"][None] * block_length + position, token)
+    states.view(b, -1).scatter_(1, g["pair_node"][None] * block_length + position, token.to(states.dtype))
 
     # 2. Score: geometric mean of the node's own token probabilities and of its usable children's scores.
     local = torch.zeros(b, d, device=state.device, dtype=torch.float64).index_add_(1, g["pair_node"], log_prob)
@@ -366,6 +380,15 @@ class TrajectoryRecorder:
         return chosen, graph_parents, [self.counts[q] for q in chosen]
 
 
+def check_calibration_options(num_nodes: int, max_depth: int, num_token_ranks: int, vocab_size: int | None = None):
+    """Before any decoding: a graph needs nodes, nodes lie at least one step ahead, and a token rank is a token."""
+    for name, value in (("num_nodes", num_nodes), ("max_depth", max_depth), ("num_token_ranks", num_token_ranks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    if vocab_size is not None and num_token_ranks > vocab_size:
+        raise ValueError(f"num_token_ranks={num_token_ranks} exceeds the model's vocabulary ({vocab_size} tokens).")
+
+
 def calibrate(model, prompts: list[torch.LongTensor], config: DiffusionGenerationConfig, num_nodes: int = 64,
               max_depth: int = 6, num_token_ranks: int = 3, progress: bool = True, description: dict | None = None):
     """Calibrate a `DraftGraph` for `model` under decoding `config` from ordinary decoding of `prompts` (token id
@@ -374,6 +397,8 @@ def calibrate(model, prompts: list[torch.LongTensor], config: DiffusionGeneratio
 
     from .diffusion.decoding import diffusion_generate
 
+    check_calibration_options(num_nodes, max_depth, num_token_ranks, getattr(model.config, "vocab_size", None))
+    config.validate(model)
     recorder = TrajectoryRecorder(model.mask_token_id, config.remasking, max_depth, num_token_ranks)
     device = next(model.parameters()).device
     for prompt in tqdm(prompts, desc="calibrate", disable=not progress):

@@ -118,7 +118,7 @@ class TrainConfig:
 
 # the options that shape the trained parameters: a checkpoint only resumes under the same values
 _SHAPING_FIELDS = ("target", "init_speculator", "block_size", "num_draft_layers", "target_layer_ids", "mask_token_id",
-                   "refiner_rank")
+                   "refiner_rank", "draft_vocab_size")
 # a fresh speculator's shape where the config leaves it None
 _FRESH_SHAPE = {"block_size": 16, "num_draft_layers": 1, "refiner_rank": 256}
 
@@ -158,29 +158,30 @@ def build_speculator(config: TrainConfig, target) -> tuple[Speculator, TrainConf
 def read_sequences(paths: list[str], max_seq_len: int, min_answer_tokens: int = 2) -> list[dict]:
     """Read distill JSONL files into [{"ids": [...], "answer_start": int, "where": "file:line"}], checking every row;
     the target is not needed, so a bad file fails before the target loads (`check_vocabulary` then checks the ids)."""
+    from .bench import text_lines
+
     if not paths:
         raise ValueError("No training data: pass data files (JSONL with prompt_ids and response_ids).")
     sequences = []
     for path in map(Path, paths):
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"Training data file {path} does not exist.")
-        with path.open() as lines:
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    prompt, answer = list(row["prompt_ids"]), list(row["response_ids"])
-                except (json.JSONDecodeError, KeyError, TypeError) as error:
-                    raise ValueError(
-                        f"{path}:{number} is not a distill row with `prompt_ids` and `response_ids` ({error})."
-                    ) from error
-                ids = (prompt + answer)[:max_seq_len]
-                if any(type(t) is not int for t in prompt + answer):  # 1.7 would be read as 1, "5" would crash later
-                    raise ValueError(f"{path}:{number}: `prompt_ids` and `response_ids` must be lists of integer token "
-                                     "ids.")
-                if len(ids) - len(prompt) >= min_answer_tokens:
-                    sequences.append({"ids": ids, "answer_start": len(prompt), "where": f"{path}:{number}"})
+        for number, line in text_lines(path):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                prompt, answer = list(row["prompt_ids"]), list(row["response_ids"])
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise ValueError(
+                    f"{path}:{number} is not a distill row with `prompt_ids` and `response_ids` ({error})."
+                ) from error
+            ids = (prompt + answer)[:max_seq_len]
+            if any(type(t) is not int for t in prompt + answer):  # 1.7 would be read as 1, "5" would crash later
+                raise ValueError(f"{path}:{number}: `prompt_ids` and `response_ids` must be lists of integer token "
+                                 "ids.")
+            if len(ids) - len(prompt) >= min_answer_tokens:
+                sequences.append({"ids": ids, "answer_start": len(prompt), "where": f"{path}:{number}"})
     if not sequences:
         raise ValueError(f"No usable rows in {paths}: every row is empty or its answer is cut off by max_seq_len.")
     return sequences
@@ -548,12 +549,13 @@ def check_options(config, checks: dict[str, tuple[bool, str]]) -> None:
         "gradient_accumulation_steps": (config.gradient_accumulation_steps >= 1, ">= 1"),
         "max_steps": (config.max_steps >= 1, ">= 1"),
         "warmup_steps": (config.warmup_steps >= 0, ">= 0"),
-        "learning_rate": (config.learning_rate > 0, "> 0"),
+        "learning_rate": (0 < config.learning_rate < math.inf, "> 0"),
+        "weight_decay": (0 <= config.weight_decay < math.inf, ">= 0"),
         "eval_every": (config.eval_every >= 1, ">= 1"),
         "save_every": (config.save_every >= 1, ">= 1"),
         "mixed_precision": (config.mixed_precision in MIXED_PRECISIONS, f"one of {MIXED_PRECISIONS}"),
-        "time_budget_minutes": (config.time_budget_minutes is None or config.time_budget_minutes > 0,
-                                "positive, or None for no budget"),
+        "time_budget_minutes": (config.time_budget_minutes is None or 0 < config.time_budget_minutes < math.inf,
+                                "positive and finite, or None for no budget"),
         **checks,
     }
     wrong = [f"{name}={getattr(config, name)!r} (must be {rule})" for name, (valid, rule) in checks.items() if not valid]
@@ -596,12 +598,17 @@ def fingerprint(holdout: list[dict]) -> str:
     return hashlib.sha256(json.dumps([row["ids"] for row in holdout]).encode()).hexdigest()[:16]
 
 
+# kept in a checkpoint's optimizer and scheduler state, which a resumed run restores: a new value would not apply
+_OPTIMIZER_FIELDS = ("learning_rate", "weight_decay")
+
+
 def check_resumable(output_dir: Path, config, shaping_fields: tuple[str, ...]) -> None:
-    """Checkpoints in `output_dir` resume only under the settings that shaped their parameters."""
+    """Checkpoints in `output_dir` resume only under the settings that shaped their parameters and the optimizer
+    settings their state keeps (a changed learning rate would be ignored, yet recorded as used)."""
     previous_file = output_dir / "train_config.json"
     previous = json.loads(previous_file.read_text()) if previous_file.is_file() else {}
-    changed = {name: (previous[name], getattr(config, name)) for name in shaping_fields
-               if name in previous and previous[name] != getattr(config, name)}
+    changed = {name: (previous[name], getattr(config, name)) for name in (*shaping_fields, *_OPTIMIZER_FIELDS)
+               if name in previous and hasattr(config, name) and previous[name] != getattr(config, name)}
     if changed:
         raise ValueError(f"{output_dir}/checkpoints were trained with other settings (before, now): {changed}. Use "
                          "a new output_dir, or delete the checkpoints to start over.")

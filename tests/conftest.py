@@ -197,8 +197,9 @@ def small_dlm_with_smollm_tokenizer(folder, base_folder=None):
     from transformers import AutoTokenizer
 
     from hf_specdiff.diffusion import DiffusionLM
+    from hf_specdiff.embedded import default_target_path
 
-    tokenizer = AutoTokenizer.from_pretrained(hf_specdiff.embedded.default_target_path())
+    tokenizer = AutoTokenizer.from_pretrained(default_target_path())
     torch.manual_seed(0)
     base = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
@@ -210,6 +211,17 @@ def small_dlm_with_smollm_tokenizer(folder, base_folder=None):
 
 
 # -- exact references for the sampling tests ------------------------------------------------------------------------
+
+
+def char_tokenizer():
+    """A tokenizer whose token t is the character chars[t] (64 of them), for stop strings on the tiny targets."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ+-"
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="0")
 
 
 def make_sampling_pair(vocab_size: int = 6):

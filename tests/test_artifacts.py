@@ -12,7 +12,7 @@ from conftest import VOCAB, card_limitations, make_speculator, make_target
 from safetensors.torch import load_file, save_file
 
 import hf_specdiff
-from hf_specdiff import AutoSpeculator, Speculator
+from hf_specdiff import AutoSpeculator, DraftGraph, Speculator
 from hf_specdiff.embedded import load_target
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 2, 4, 2, 16, 128
@@ -249,7 +249,12 @@ def test_not_a_drafter_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize(
     "manifest,message",
     [
-        ('{"format": "hf_specdiff.speculator", "format_version": 99, "components": []}', "format version 99"),
+        ('{"format": "hf_specdiff.speculator", "format_version": 99, "components": []}',
+         "format version 99; .*Upgrade hf_specdiff"),
+        ('{"format": "hf_specdiff.speculator", "format_version": "1", "components": []}',
+         "format version '1'; .*No hf_specdiff wrote that"),
+        ('{"format": "hf_specdiff.speculator", "format_version": 1, "components": null}', "components as None, not a list"),
+        ('{"format": "hf_specdiff.speculator", "format_version": 1, "components": "refiner"}', "components as 'refiner'"),
         ('{"format": "something-else", "format_version": 1}', "not an hf_specdiff speculator manifest"),
         ('{"format": "hf_specdiff.speculator", "format_version": 1, "components": ["medusa"]}', "unknown components"),
         ("{not json", "not valid JSON"),
@@ -322,6 +327,42 @@ def test_save_pretrained_pushes_the_whole_folder_in_one_commit(tmp_path, monkeyp
     assert uploads[1][0] == "my-spec2"  # transformers' default: the folder's name
     with pytest.raises(TypeError, match="only apply with push_to_hub=True"):
         speculator.save_pretrained(tmp_path / "x", repo_id="me/x")
+
+
+def test_push_to_hub_commits_where_transformers_would(tmp_path, monkeypatch):
+    """transformers' commit options reach the commit (a dropped `revision` or `create_pr` would commit to main), save
+    options reach the files, and anything else is refused before the repo is created."""
+    from huggingface_hub import HfApi
+
+    calls = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kwargs: calls.append(("create_repo", kwargs)))
+    monkeypatch.setattr(HfApi, "create_branch", lambda self, repo_id, branch, **kwargs: calls.append(
+        ("create_branch", {"branch": branch})))
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, repo_id, folder_path, **kwargs: calls.append(
+        ("upload_folder", {**kwargs, "files": sorted(p.name for p in Path(folder_path).rglob("*.safetensors"))})))
+    speculator = make_speculator(make_target())
+    speculator.push_to_hub("me/spec", revision="dev", create_pr=True, commit_description="why", private=True,
+                           max_shard_size="100KB")
+    (_, created), (_, branch), (_, upload) = calls
+    assert created["private"] is True and branch == {"branch": "dev"}
+    assert upload["revision"] == "dev" and upload["create_pr"] is True and upload["commit_description"] == "why"
+    assert any(name.startswith("model-00001-of-") for name in upload["files"])  # sharded as asked
+    calls.clear()
+    speculator.save_pretrained(tmp_path / "spec", push_to_hub=True, repo_id="me/spec", revision="v2")
+    assert [name for name, _ in calls] == ["create_repo", "create_branch", "upload_folder"]
+    assert calls[2][1]["revision"] == "v2" and calls[2][1]["commit_message"] == "Upload speculator"
+    calls.clear()
+    for push in (lambda: speculator.push_to_hub("me/spec", tags=["x"]),
+                 lambda: speculator.save_pretrained(tmp_path / "y", push_to_hub=True, tags=["x"])):
+        with pytest.raises(TypeError, match=r"unsupported arguments \['tags'\]"):
+            push()
+    assert not calls  # refused before anything reached the Hub
+    graph = DraftGraph(nodes=[((0, 0),)], parents=[[-1]], block_length=8)
+    graph.push_to_hub("me/graph", private=True, revision="dev")
+    assert [name for name, _ in calls] == ["create_repo", "create_branch", "upload_folder"]
+    assert calls[0][1]["private"] is True and calls[2][1]["revision"] == "dev"
+    with pytest.raises(TypeError, match=r"unsupported arguments \['dtype'\]"):
+        DraftGraph.from_pretrained(tmp_path, dtype=torch.float16)
 
 
 def test_a_drafter_config_with_top_level_dflash_fields_loads(tmp_path):
@@ -413,3 +454,26 @@ def test_a_speculator_warns_on_a_target_it_was_not_trained_for(tmp_path):
     with pytest.warns(UserWarning, match="trained for a target with other embeddings.*output is unchanged"):
         out = other.generate(prompt, max_new_tokens=8, do_sample=False, assistant_model=loaded, speculation="dflash")
     assert torch.equal(out, other.generate(prompt, max_new_tokens=8, do_sample=False))
+
+
+def test_a_speculator_whose_manifest_cannot_be_read_is_not_loaded_as_a_bare_drafter(tmp_path):
+    """Offline, with only the drafter's files in the Hub cache (as transformers' native dFlash path fetches them), or
+    a folder copied without it, the manifest that lists the refiner and Markov head is missing: an error, not a bare
+    drafter. A z-lab drafter, which has none, still loads as one."""
+    saved, cache = tmp_path / "saved", tmp_path / "cache"
+    make_speculator(make_target()).save_pretrained(saved)
+    repo, sha = cache / "models--me--spec", "b" * 40
+    (repo / "snapshots" / sha).mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        (repo / "snapshots" / sha / name).write_bytes((saved / name).read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+    with pytest.raises(OSError, match="me/spec holds a drafter saved by hf_specdiff but no readable speculator.json.*"
+                                      "refiner and Markov head.*hf download me/spec"):
+        AutoSpeculator.from_pretrained("me/spec", cache_dir=cache)
+    (saved / "speculator.json").unlink()
+    with pytest.raises(OSError, match="no readable speculator.json"):
+        AutoSpeculator.from_pretrained(saved)
+    write_zlab_checkpoint(tmp_path / "zlab")
+    bare = AutoSpeculator.from_pretrained(tmp_path / "zlab")
+    assert bare.refiner is None and bare.markov_head is None

@@ -10,6 +10,7 @@ from conftest import (
     STATE_FAMILIES,
     VOCAB,
     accept_every_draft,
+    char_tokenizer,
     chi_square_p_value,
     exact_distribution,
     make_sampling_pair,
@@ -256,13 +257,7 @@ def test_rows_finish_at_different_steps_and_leave_the_batch(method, record_draft
 def test_stop_strings_per_row(eos_token_id):
     """Stop strings fire for each row at its own step. With an EOS token plain generate pads a stopped row; without
     one it keeps generating it until every row has stopped, and so must we."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    chars = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ+-"  # token t is chars[t]
-    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="0")
+    tokenizer = char_tokenizer()  # token t is a character
     target = hf_specdiff.enable(make_successor_target(layer_scale=0.0, eos_token_id=eos_token_id))
     speculator = make_speculator(target, block_size=8, oracle=True, num_jacobi_passes=8)
     # "mno" = tokens 22, 23, 24: reached after 3, 7 and 13 tokens, or never (rows 3 and 4)

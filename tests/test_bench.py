@@ -11,11 +11,13 @@ import torch
 
 import hf_specdiff
 from hf_specdiff.bench import (
+    METHODS,
     BenchConfig,
     _drafts_per_block,
     _environment,
     cpu_name,
     _method_runs,
+    check_bench_config,
     load_prompts,
     markdown_table,
     mean_accepted_length,
@@ -56,6 +58,9 @@ def test_a_wrong_speculator_or_prompt_file_fails_before_the_target_loads(tmp_pat
     with pytest.raises(ValueError, match="bad.jsonl:1 is not JSON"):
         run_bench(BenchConfig(prompts=str(tmp_path / "bad.jsonl"), batch_size=batch_size, methods=["ar", "dflash"]),
                   progress=False)
+    with pytest.raises(ValueError, match="--num-draft-tokens 99: the speculator's blocks of 16 slots offer 1 to 15"):
+        run_bench(BenchConfig(prompts=str(_two_prompts(tmp_path)), batch_size=batch_size, methods=["ar", "dflash"],
+                              num_draft_tokens=99), progress=False)
 
 
 def test_bench_reports_every_method_side_by_side(tmp_path, smollm):
@@ -239,10 +244,21 @@ def test_bad_bench_inputs(tmp_path):
         "--steps, --cache, --base \\(the diffusion methods: .*\\): no method": dict(methods=["ar", "xpress"], steps=4,
                                                                                     cache="none", base="x"),
         r"Unknown methods \['beam'\]": dict(methods=["ar", "beam"]),
+        "--max-new-tokens must be >= 1, got 0": dict(max_new_tokens=0),
+        r"--jacobi-passes must each be >= 1, got \[0, 4\]": dict(jacobi_passes=[0, 4]),
+        "--device 'gpu' is not a torch device": dict(device="gpu"),
+        # the run's results would be lost at its end
+        f"--json {tmp_path}/bad.jsonl/x.json: cannot write there": dict(json=str(tmp_path / "bad.jsonl" / "x.json")),
+        f"--markdown {tmp_path}: a folder is there": dict(markdown=str(tmp_path)),
+        f"--plots {tmp_path}/bad.jsonl: a file is there": dict(plots=str(tmp_path / "bad.jsonl")),
     }
+    if not torch.cuda.is_available():
+        refused["--device cuda: this torch .* sees no cuda device; use --device cpu"] = dict(device="cuda")
     for message, options in refused.items():
         with pytest.raises(ValueError, match=message):
             run_bench(BenchConfig(**options), target="not loaded")
+    for options in (dict(json=str(tmp_path / "new" / "deeper" / "x.json")), dict(markdown=str(good))):  # to be
+        check_bench_config(BenchConfig(**options), METHODS)  # made, or overwritten
     with pytest.raises(ValueError, match="Unknown method 'beam'; choose from ar, ar_static"):
         _method_runs(BenchConfig(methods=["ar", "beam"]), speculator=None, max_cache_len=64)
     with pytest.raises(FileNotFoundError, match="--data-dir"):

@@ -159,6 +159,26 @@ def test_ar_base_needs_a_base(tmp_path):
         run_diffusion_bench(BenchConfig(target=str(tmp_path / "dlm"), methods=["steps", "ar_base"]))
 
 
+def test_ar_base_samples_at_the_temperature_the_diffusion_methods_sample_at(tmp_path, monkeypatch):
+    require_bench_data()
+    from transformers import AutoModelForCausalLM
+
+    from hf_specdiff.bench_diffusion import run_diffusion_bench
+
+    small_dlm_with_smollm_tokenizer(tmp_path / "dlm", base_folder=tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    calls = []
+    monkeypatch.setattr(base, "generate", lambda *args, **kwargs: calls.append(kwargs) or type(base).generate(
+        base, *args, **kwargs))
+    for temperature, sampling in [(0.7, dict(do_sample=True, temperature=0.7)), (0.0, dict(do_sample=False))]:
+        calls.clear()
+        run_diffusion_bench(BenchConfig(target=str(tmp_path / "dlm"), methods=["steps", "ar_base"], limit=1,
+                                        max_new_tokens=8, block_length=8, temperature=temperature),
+                            base_model=base, progress=False)
+        assert calls and all(sampling.items() <= call.items() for call in calls), calls
+        assert all("temperature" not in call for call in calls) or temperature > 0
+
+
 def test_bad_diffusion_bench_inputs_are_clear_errors(tmp_path):
     """A model given in memory without its tokenizer, or nothing left to measure, fails with what to do; a graph
     calibrated on a dataset the bench does not measure does not need that dataset's file."""
@@ -173,6 +193,11 @@ def test_bad_diffusion_bench_inputs_are_clear_errors(tmp_path):
         run_diffusion_bench(BenchConfig(methods=["steps"]), model=model)
     with pytest.raises(ValueError, match="--limit must be >= 0"):
         run_diffusion_bench(BenchConfig(target=str(tmp_path / "dlm"), methods=["steps"], limit=-1))
+    # the speculative methods' options: no diffusion method reads them, so they are refused rather than ignored
+    for options, flags in [(dict(jacobi_passes=[2, 8]), "--jacobi-passes"), (dict(speculator="spec"), "--speculator"),
+                           (dict(compile=True, num_draft_tokens=3), "--num-draft-tokens, --compile")]:
+        with pytest.raises(ValueError, match=f"^{flags}: the diffusion methods \\['steps'\\] do not use it"):
+            run_diffusion_bench(BenchConfig(target=str(tmp_path / "dlm"), methods=["steps"], **options))
     everything = SimpleNamespace(calibration={"datasets": ["gsm8k"], "prompt_seed": 0, "limit": 0})  # all of GSM8K
     with pytest.raises(ValueError, match="No prompts to measure"):
         run_diffusion_bench(BenchConfig(target=str(tmp_path / "dlm"), methods=["steps"], datasets=["gsm8k"], limit=3),

@@ -69,6 +69,9 @@ def test_bad_config_files_are_refused(tmp_path):
     ({"num_draft_tokens": 2.5}, "num_draft_tokens must be an integer"),  # an optional field is checked too
     ({"cache": "full"}, r"cache must be one of \['none', 'prefix', 'dual', 'block'\]"),  # argparse's choices skip it
     ({"datasets": ["gsm8k", "gsm9k"]}, "datasets must be one of"),
+    ({"json": 5}, "json must be a string, got 5"),  # a path: would fail only when the results are written
+    ({"target": ["a", "b"]}, r"target takes one value, got the list \['a', 'b'\]"),
+    ({"limit": [1, 2]}, "limit takes one value"),
 ])
 def test_config_values_of_the_wrong_type_are_refused(tmp_path, values, message):
     (tmp_path / "bench.json").write_text(json.dumps(values))
@@ -104,7 +107,7 @@ def test_the_help_of_a_dataclass_option_gives_its_default_once(capsys):
         main(["calibrate", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
     assert "--stop-at-eos, --no-stop-at-eos stop after the first block" in shown
-    assert "produced an EOS token (default: True) --max-drafts" in shown
+    assert "produced an EOS token (default: True)" in shown and "(default: True) (default: True)" not in shown
 
 
 def test_an_optional_option_takes_none_and_others_do_not():
@@ -155,6 +158,16 @@ def test_calibrate_reads_its_prompts_before_loading_the_model(tmp_path):
         main(missing_model + ["--prompts", str(tmp_path / "prompts.jsonl")])
     with pytest.raises(ValueError, match="--dtype 'fp16' is not a torch dtype; use float32, bfloat16 or float16"):
         main(missing_model + ["--dtype", "fp16"])
+    with pytest.raises(ValueError, match="num_nodes must be an integer >= 1, got 0"):
+        main(missing_model + ["--num-nodes", "0"])
+
+
+def test_calibrate_takes_no_option_it_would_ignore(capsys):
+    """Calibration records ordinary decoding: Spiffy's --max-drafts belongs to the bench and generate."""
+    assert parse_args(["bench", "--max-drafts", "3"]).max_drafts == 3
+    with pytest.raises(SystemExit):
+        parse_args(["calibrate", "--max-drafts", "3"])
+    assert "unrecognized arguments: --max-drafts 3" in capsys.readouterr().err
 
 
 def test_the_console_entry_point_prints_a_users_mistake_on_one_line(monkeypatch):

@@ -62,6 +62,8 @@ def tiny_config(folder, data, **overrides):
                   lora_rank=8, lora_alpha=16.0, max_seq_len=64, block_length=8, batch_size=8, max_steps=30,
                   learning_rate=1e-2, warmup_steps=3, mixed_precision="no", eval_sequences=8, eval_every=10,
                   save_every=10)
+    if overrides.get("finetune") == "full":  # the LoRA options would do nothing, and are refused
+        del values["lora_rank"], values["lora_alpha"]
     values.update(overrides)
     return DiffusionTrainConfig(**values)
 
@@ -389,6 +391,7 @@ def test_bad_training_inputs_fail_before_the_first_step(setup, tmp_path):
         (dict(finetune="qlora"), ValueError, "finetune='qlora'"),
         (dict(eval_sequences=60), ValueError, "eval_sequences=60"),
         (dict(mask_token_id=None), ValueError, "Set mask_token_id"),
+        (dict(finetune="full"), ValueError, r"finetune='full' trains every weight, so \['lora_rank', 'lora_alpha'\]"),
     ]
     for overrides, error, message in cases:
         with pytest.raises(error, match=message):

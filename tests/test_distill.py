@@ -109,6 +109,9 @@ def test_limit_zero_takes_every_prompt_and_a_negative_limit_is_refused(tmp_path)
     ("zero batch", r"--batch-size must be >= 1"),
     ("repeated source", r"--sources lists \['gsm8k'\] more than once"),
     ("bad prompt line", r"prompts\.jsonl:2 is not JSON"),
+    ("colliding ids", r"Prompt ids \['prompts-1'\] occur more than once .*give the rows their own `id`"),
+    ("not UTF-8", r"prompts\.jsonl:2 is not UTF-8 text"),
+    ("a folder", r"empty is a folder: give the path of a JSONL file"),
 ])
 def test_bad_options_fail_before_the_target_loads(tmp_path, monkeypatch, case, match):
     """Loading a big Hub target takes minutes: a typo in --sources, --data-dir, --dtype or a prompts file must fail
@@ -134,11 +137,21 @@ def test_bad_options_fail_before_the_target_loads(tmp_path, monkeypatch, case, m
         "zero batch": dict(sources=[prompts], batch_size=0),
         "repeated source": dict(sources=["gsm8k", "gsm8k"], data_dir=str(tmp_path / "empty")),
         "bad prompt line": dict(sources=[prompts]),
+        # rows without an id are named <stem>-<line>: the same stem in two folders gives the same ids
+        "colliding ids": dict(sources=[str(tmp_path / "prompts.jsonl"), str(tmp_path / "empty" / "prompts.jsonl")]),
+        "not UTF-8": dict(sources=[prompts]),
+        "a folder": dict(sources=[str(tmp_path / "empty")]),
     }[case]
     if case == "bad prompt line":
         with open(prompts, "a") as file:
             file.write('{"prompt": "b",}\n')
-    with pytest.raises((ValueError, FileNotFoundError), match=match):
+    if case == "colliding ids":
+        for path in (tmp_path / "prompts.jsonl", tmp_path / "empty" / "prompts.jsonl"):
+            path.write_text('{"prompt": "a question without an id"}\n')
+    if case == "not UTF-8":
+        with open(prompts, "ab") as file:
+            file.write(b'{"prompt": "caf\xe9"}\n')  # Latin-1
+    with pytest.raises((ValueError, FileNotFoundError, IsADirectoryError), match=match):
         distill(DistillConfig(**options, output=str(tmp_path / "answers.jsonl"), device="cpu"), progress=False)
     assert not (tmp_path / "answers.jsonl").exists()
 

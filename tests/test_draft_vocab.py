@@ -334,10 +334,11 @@ def test_cli_writes_a_vocabulary_into_a_saved_speculator(tmp_path, capsys):
     loaded = AutoSpeculator.from_pretrained(tmp_path / "speculator")
     assert loaded.draft_vocab.tolist() == [2, 9, 4]  # EOS first, then by count
     assert loaded.refiner is not None and loaded.markov_head is not None  # the add-ons are still listed
-    data.write_text('{"response_ids": [1, "x"]}\n')
-    with pytest.raises(ValueError, match="answers.jsonl:1 is not a distill row"):
-        main(["draft-vocab", str(tmp_path / "speculator"), "--data", str(data), "--size", "3",
-              "--target", str(tmp_path / "target")])
+    for row in ('{"response_ids": [1, "x"]}', '{"response_ids": [1, 2.7]}', '{"response_ids": [true]}'):  # no ids
+        data.write_text(row + "\n")
+        with pytest.raises(ValueError, match="answers.jsonl:1 is not a distill row with integer"):
+            main(["draft-vocab", str(tmp_path / "speculator"), "--data", str(data), "--size", "3",
+                  "--target", str(tmp_path / "target")])
     with pytest.raises(ValueError, match="holds no saved speculator"):
         main(["draft-vocab", str(tmp_path / "target"), "--data", str(data), "--size", "3",
               "--target", str(tmp_path / "target")])

@@ -108,6 +108,17 @@ def test_static_cache_limits(target, speculator, monkeypatch):
         generate(target, speculator, cache_implementation="static")
 
 
+def test_a_cache_that_cannot_be_rolled_back_is_refused(target, speculator):
+    from transformers import QuantizedCache
+
+    try:
+        cache = QuantizedCache(backend="fp8", config=target.config)
+    except (ValueError, ImportError, TypeError) as error:  # transformers < 5.24 has no fp8 backend
+        pytest.skip(f"no QuantizedCache without a quantization package here: {error}")
+    with pytest.raises(ValueError, match="a QuantizedCache cannot be rolled back. Pass no cache"):
+        generate(target, speculator, past_key_values=cache)
+
+
 def test_right_padded_prompt(target, speculator):
     # left padding is fine (tests/test_batched.py); padding after the prompt is refused
     with pytest.raises(ValueError, match="LEFT-padded"):

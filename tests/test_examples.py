@@ -34,6 +34,32 @@ def test_gpu_script_parses():
     subprocess.run(["bash", "-n", str(GPU_SCRIPT)], check=True)
 
 
+@pytest.mark.parametrize("stage", ["speculator", "speed"])
+def test_gpu_script_benches_the_methods_bench_methods_names(tmp_path, stage):
+    """BENCH_METHODS replaces the batch-1 bench's methods (a GPU session short of time leaves out the compiled ones);
+    unset, the stage benches all of its own. The commands are recorded by stand-ins for `hf-specdiff` and `python`."""
+    stand_ins = tmp_path / "bin"
+    stand_ins.mkdir()
+    for name in ("hf-specdiff", "python"):
+        (stand_ins / name).write_text(f'#!/bin/sh\n[ "$1" = -c ] && echo CPU && exit\necho "{name} $*" >> "$LOG"\n')
+        (stand_ins / name).chmod(0o755)
+
+    def bench_methods(**env) -> list[list[str]]:
+        log = tmp_path / "log.txt"
+        log.unlink(missing_ok=True)
+        subprocess.run(["bash", str(GPU_SCRIPT), stage, str(tmp_path / "out")], check=True, capture_output=True,
+                       env={**os.environ, "PATH": f"{stand_ins}:{os.environ['PATH']}", "LOG": str(log), **env})
+        benches = [line.split() for line in log.read_text().splitlines() if line.startswith("hf-specdiff bench")]
+        return [words[words.index("--methods") + 1 : words.index("--methods") + 1 + len(words)] for words in benches]
+
+    chosen = bench_methods(BENCH_METHODS="ar dflash xpress")
+    assert chosen[0][:4] == ["ar", "dflash", "xpress", "--jacobi-passes" if stage == "speculator" else "--dtype"]
+    default = bench_methods()
+    assert {"ar_static", "xpress_static", "dflash_hf", "prompt_lookup"} <= set(default[0])
+    if stage == "speculator":  # the batch curve keeps its own methods
+        assert chosen[1][:4] == default[1][:4] == ["ar", "dflash", "xpress", "--dtype"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["speculator", "diffusion", "speed"])
 def test_gpu_script_runs_end_to_end_at_smoke_size(tmp_path, stage):

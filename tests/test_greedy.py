@@ -8,12 +8,14 @@ from conftest import (
     CONV_STATE_FAMILIES,
     STATE_FAMILIES,
     VOCAB,
+    char_tokenizer,
     make_speculator,
     make_state_target,
     make_successor_target,
     make_target,
     replay_greedy_drafts,
 )
+from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
@@ -296,6 +298,51 @@ def test_user_stopping_criteria_fire_inside_a_block():
     out = target.generate(prompt, do_sample=False, max_new_tokens=40, stopping_criteria=criteria,
                           assistant_model=speculator, speculation="xpress")
     assert plain[0, -1].item() == 20 and torch.equal(out, plain)
+
+
+def test_generate_arguments_passed_by_position_act_as_passed_by_keyword():
+    """generate(inputs, generation_config, logits_processor, stopping_criteria, ...): an option passed by position is
+    honoured (stop strings, which need the tokenizer the loop takes) and refused (assisted decoding's) as by keyword."""
+    tokenizer = char_tokenizer()  # "mno" = tokens 22, 23, 24: the successor target writes them after 19, 20, 21
+    target = hf_specdiff.enable(make_successor_target(layer_scale=0.0))
+    speculator = make_speculator(target, block_size=8, oracle=True)
+    spec = dict(assistant_model=speculator, speculation="xpress")
+    prompt = torch.tensor([[19, 20, 21]])
+    config = GenerationConfig(do_sample=False, max_new_tokens=12, stop_strings=["mno"])
+    plain = target.generate(prompt, config, tokenizer=tokenizer)
+    assert plain[0, 3:].tolist() == [22, 23, 24]
+    assert torch.equal(target.generate(prompt, config, tokenizer=tokenizer, **spec), plain)
+    by_keyword = dict(max_new_tokens=12, do_sample=False, stop_strings=["mno"], tokenizer=tokenizer)
+    plain = target.generate(prompt, None, None, StoppingCriteriaList(), **by_keyword)
+    assert torch.equal(target.generate(prompt, None, None, StoppingCriteriaList(), **by_keyword, **spec), plain)
+    with pytest.raises(ValueError, match="remove `prompt_lookup_num_tokens`"):
+        target.generate(prompt, GenerationConfig(prompt_lookup_num_tokens=3, max_new_tokens=4), **spec)
+    with pytest.raises(TypeError, match="multiple values for argument 'generation_config'"):
+        target.generate(prompt, config, generation_config=config, **spec)
+
+    class Forwarding(type(target)):  # a model class overriding generate(self, *args, **kwargs): names unknown
+        def generate(self, *args, **kwargs):
+            return super().generate(*args, **kwargs)
+
+    target = hf_specdiff.enable(Forwarding(target.config).to(torch.float64).eval())
+    speculator = make_speculator(target, block_size=8, oracle=True)
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=6)
+    out = target.generate(prompt, do_sample=False, max_new_tokens=6, assistant_model=speculator, speculation="xpress")
+    assert torch.equal(out, plain)
+
+
+def test_position_ids_are_the_ones_generate_would_compute_or_refused():
+    """The loop numbers each row's tokens from its first real one, as generate does when given no position ids:
+    those pass (their padded slots hold anything), others would be dropped and are refused."""
+    target = hf_specdiff.enable(make_target(initializer_range=0.2))
+    speculator = make_speculator(target)
+    prompt, mask = torch.tensor([[0, 4, 9, 1, 33, 7]]), torch.tensor([[0, 1, 1, 1, 1, 1]])
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=8, assistant_model=speculator,
+                  speculation="dflash")
+    plain = target.generate(prompt, attention_mask=mask, do_sample=False, max_new_tokens=8)
+    assert torch.equal(target.generate(prompt, position_ids=torch.tensor([[7, 0, 1, 2, 3, 4]]), **kwargs), plain)
+    with pytest.raises(ValueError, match="these position_ids differ. Remove `position_ids`"):
+        target.generate(prompt, position_ids=torch.tensor([[0, 0, 1, 2, 300, 301]]), **kwargs)
 
 
 def test_streamer_receives_prompt_then_exactly_the_output():

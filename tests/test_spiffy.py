@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from conftest import make_target
+from transformers import GenerationConfig
 
 import hf_specdiff
 from hf_specdiff.diffusion.adapter import DiffusionAdapter
@@ -18,6 +19,7 @@ from hf_specdiff.diffusion.decoding import (
     diffusion_generate,
     transfer_schedule,
 )
+from hf_specdiff.diffusion.modeling import DiffusionLM, DiffusionLMConfig
 from hf_specdiff.spiffy import DraftGraph, TrajectoryRecorder, calibrate, propose_drafts
 
 MASK = 63
@@ -223,9 +225,19 @@ def test_graph_errors(tmp_path):
         DraftGraph(nodes=[((8, 0),)], parents=[[-1]], block_length=8)
     with pytest.raises(ValueError, match="malformed.*recalibrate"):
         DraftGraph.from_dict({"format_version": 1, "nodes": []})
-    for broken in ([[0]], [[0, "x"]]):  # a pair without its token rank, a rank that is no number
+    # a pair without its token rank, a rank that is no number, ranks that are not integers
+    for broken in ([[0]], [[0, "x"]], [[0.7, 1.9]], [[0, "1"]], [[True, 0]]):
         with pytest.raises(ValueError, match="malformed.*recalibrate"):
             DraftGraph.from_dict({**data, "nodes": [{"pairs": broken, "parents": [-1]}]})
+    for node in ({"pairs": [[0, 0]], "parents": [-1], "count": "x"}, {"pairs": [[0, 0]], "parents": [-1.0]}):
+        with pytest.raises(ValueError, match="malformed.*is not an integer"):
+            DraftGraph.from_dict({**data, "nodes": [node]})
+    with pytest.raises(ValueError, match="malformed.*True is not an integer"):
+        DraftGraph.from_dict({**data, "block_length": True})
+    with pytest.raises(ValueError, match="names a parent twice"):
+        DraftGraph(nodes=[((0, 0),), ((0, 0), (1, 0))], parents=[[-1], [0, 0]], block_length=8)
+    with pytest.raises(ValueError, match="counts must be integers >= 0"):
+        DraftGraph(nodes=[((0, 0),)], parents=[[-1]], counts=[-2], block_length=8)
     with pytest.raises(ValueError, match="a JSON object, got a list"):
         DraftGraph.from_dict([data])
     (tmp_path / "spiffy_graph.json").write_text("{not json")
@@ -264,8 +276,28 @@ def test_generate_integration_and_errors(tmp_path):
         model.generate(prompt, max_new_tokens=16, block_length=8, remasking="lowest")
     with pytest.raises(ValueError, match="mask_token_id=64"):
         DiffusionAdapter(make_target(vocab_size=64), mask_token_id=64)
+    with pytest.raises(ValueError, match="do_sample=True contradicts temperature=0"):  # not a silent T = 1
+        model.generate(prompt, do_sample=True, temperature=0.0, **options)
+    with pytest.raises(TypeError, match="is a hf_specdiff DiffusionGenerationConfig, got GenerationConfig"):
+        model.generate(prompt, generation_config=GenerationConfig(max_new_tokens=16))
+    with pytest.warns(UserWarning, match="cache='prefix' on a bidirectional model is near-lossless only"):
+        model.generate(prompt, speculation="spiffy", draft_graph=str(tmp_path), **{**options, "cache": "prefix"})
     hf_specdiff.disable(model)
     assert not hf_specdiff.is_enabled(model)
+    for unenabled in (model, DiffusionLM(DiffusionLMConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                            num_hidden_layers=1, num_attention_heads=2,
+                                                            num_key_value_heads=2, mask_token_id=MASK))):
+        with pytest.raises(AttributeError, match=f"{type(unenabled).__name__}.generate is .* call hf_specdiff.enable"):
+            unenabled.generate(prompt, **options)
+
+
+def test_spiffy_takes_prompts_of_any_integer_dtype():
+    model = tiny_dlm(shift_logits=True)
+    graph = calibrate(model, prompts(3, seed=7), config(cache="dual"), num_nodes=16, progress=False)
+    prompt = prompts(1)[0]
+    plain = diffusion_generate(model, prompt, config=config(cache="dual")).sequences
+    out = diffusion_generate(model, prompt.int(), config=config(cache="dual"), draft_graph=graph)
+    assert out.sequences.dtype == torch.int32 and torch.equal(out.sequences.long(), plain) and out.nfe < 16
 
 
 def test_stop_at_eos_ends_after_the_block_with_eos():
@@ -431,5 +463,32 @@ def test_bad_decoding_inputs_are_refused():
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             diffusion_generate(model, prompt, **{"config": config(), **kwargs})
+    batch = torch.cat([prompt, prompt])
+    with pytest.raises(ValueError, match="A prompt is all padding"):
+        diffusion_generate(model, batch, torch.stack([torch.ones(n), torch.zeros(n)]).long(), config())
+    refused = [
+        (dict(config=config(steps=32)), ValueError, "steps=32 exceeds max_new_tokens=16"),
+        (dict(config=config(max_new_tokens=16.0)), TypeError, "max_new_tokens must be an integer, got 16.0"),
+        (dict(config=config(seed=1.5)), TypeError, "seed must be an integer"),
+        (dict(config=config(temperature=float("nan"))), ValueError, "temperature must be a finite number"),
+        (dict(eos_token_id=[]), ValueError, "eos_token_id is an empty list"),
+        (dict(input_ids=prompt.tolist()), TypeError, "input_ids must be a tensor"),
+    ]
+    for kwargs, error, message in refused:
+        with pytest.raises(error, match=message):
+            diffusion_generate(model, **{"input_ids": prompt, "config": config(), **kwargs})
     with pytest.raises(ValueError, match=r"one prompt per tensor.*\(2, 4\)"):
         calibrate(model, [torch.zeros(2, 4, dtype=torch.long)], config(cache="dual"), progress=False)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(num_nodes=0), "num_nodes must be an integer >= 1, got 0"),
+    (dict(max_depth=0), "max_depth must be an integer >= 1"),
+    (dict(num_token_ranks=65), "num_token_ranks=65 exceeds the model's vocabulary"),
+])
+def test_bad_calibration_options_fail_before_any_decoding(options, message, monkeypatch):
+    import hf_specdiff.diffusion.decoding as decoding
+
+    monkeypatch.setattr(decoding, "diffusion_generate", lambda *a, **k: pytest.fail("decoded before the check"))
+    with pytest.raises(ValueError, match=message):
+        calibrate(tiny_dlm(), prompts(2), config(cache="dual"), progress=False, **options)

@@ -96,6 +96,12 @@ def test_bad_inputs_fail_before_training(tmp_path, target):
     outside.write_text("\n" + json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 999, 4]}) + "\n")
     with pytest.raises(ValueError, match="outside.jsonl:2 has token ids outside the target's vocabulary"):
         train(tiny_config(tmp_path, outside), target=target, progress=False)
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt_ids": [1], "response_ids": [3, 4]}\n{"note": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match="latin.jsonl:2 is not UTF-8 text"):
+        train(tiny_config(tmp_path, latin), target=target, progress=False)
+    with pytest.raises(IsADirectoryError, match="is a folder: give the path of a JSONL file"):
+        train(tiny_config(tmp_path, tmp_path), target=target, progress=False)
     fractional = tmp_path / "fractional.jsonl"
     fractional.write_text(json.dumps({"prompt_ids": [1.7, 2.2], "response_ids": [3, 4, 5]}) + "\n")
     with pytest.raises(ValueError, match="fractional.jsonl:1: .* integer token ids"):
@@ -105,7 +111,9 @@ def test_bad_inputs_fail_before_training(tmp_path, target):
         train(tiny_config(tmp_path, data, holdout_sequences=8), target=target, progress=False)
     for options, message in [(dict(holdout_sequences=0), r"holdout_sequences=0 \(must be >= 1"),
                              (dict(eval_every=0, save_every=-1), "eval_every=0 .*save_every=-1"),
-                             (dict(block_size=1), "block_size=1"), (dict(mixed_precision="fp8"), "mixed_precision")]:
+                             (dict(block_size=1), "block_size=1"), (dict(mixed_precision="fp8"), "mixed_precision"),
+                             (dict(time_budget_minutes=float("inf")), r"time_budget_minutes=inf \(must be positive and"),
+                             (dict(weight_decay=-0.1), r"weight_decay=-0.1 \(must be >= 0")]:
         with pytest.raises(ValueError, match="Invalid training options: .*" + message):
             train(tiny_config(tmp_path, data, **options), target=target, progress=False)
     assert not (tmp_path / "run").exists()  # nothing written
@@ -140,7 +148,11 @@ def test_resume_refuses_other_held_out_rows_or_shape(tmp_path, target):
     train(config, target=target, progress=False)
     for options, message in [(dict(seed=5, max_steps=4), "held out other rows"),
                              (dict(holdout_sequences=3, max_steps=4), "held out other rows"),
-                             (dict(block_size=4, max_steps=4), r"other settings .*'block_size': \(8, 4\)")]:
+                             (dict(block_size=4, max_steps=4), r"other settings .*'block_size': \(8, 4\)"),
+                             (dict(draft_vocab_size=6, max_steps=4), r"'draft_vocab_size': \(None, 6\)"),
+                             # restored with the optimizer's state: a new value would be recorded, not used
+                             (dict(learning_rate=0.5, weight_decay=0.3, max_steps=4),
+                              r"'learning_rate': \(0.003, 0.5\), 'weight_decay': \(0.0, 0.3\)")]:
         with pytest.raises(ValueError, match=message):
             train(dataclasses.replace(config, **options), target=target, progress=False)
     train(dataclasses.replace(config, seed=5, holdout_seed=0, max_steps=3), target=target, progress=False)

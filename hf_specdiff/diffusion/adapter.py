@@ -21,6 +21,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from .. import _compat
+from .decoding import generate_before_enable
 
 
 @dataclass
@@ -31,6 +32,8 @@ class AdapterOutput:
 
 class DiffusionAdapter(nn.Module):
     """A transformers model seen as a masked diffusion LM (no weights copied, nothing changed on the model)."""
+
+    generate = generate_before_enable  # `hf_specdiff.enable(adapter)` gives this adapter its diffusion decoding
 
     def __init__(self, model: nn.Module, mask_token_id: int, shift_logits: bool = False, block_causal: bool = False,
                  supports_kv: bool = True):

@@ -30,6 +30,8 @@ ordinary decoding's in the same mode, exactly when drafts see nothing that depen
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +66,10 @@ class DiffusionGenerationConfig:
         "Spiffy: drafts verified per forward after dynamic pruning (D*)")})
 
     def validate(self, model) -> None:
+        for name in ("max_new_tokens", "block_length", "steps", "seed", "max_drafts"):
+            value = getattr(self, name)
+            if not (value is None and name == "steps") and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an integer, got {value!r}.")
         if self.block_length < 1 or self.max_new_tokens < 1 or self.max_new_tokens % self.block_length:
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} must be a positive multiple of block_length="
@@ -75,10 +81,15 @@ class DiffusionGenerationConfig:
                 f"steps={self.steps} must be a positive multiple of the number of blocks ({num_blocks} = "
                 f"max_new_tokens / block_length), so that every block gets the same number of steps."
             )
+        if self.steps is not None and self.steps > self.max_new_tokens:
+            raise ValueError(
+                f"steps={self.steps} exceeds max_new_tokens={self.max_new_tokens}: every step unmasks at least one "
+                "token, so at most max_new_tokens steps run. Use steps <= max_new_tokens (None: one token a step)."
+            )
         if self.remasking not in REMASKING_RULES:
             raise ValueError(f"remasking={self.remasking!r} is not supported; choose one of {REMASKING_RULES}.")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}.")
         if self.threshold is not None and not 0 < self.threshold <= 1:
             raise ValueError(f"threshold must lie in (0, 1], got {self.threshold}.")
         if self.threshold is not None and self.remasking in ("entropy", "random"):
@@ -382,8 +393,8 @@ def diffusion_generate(
         raise ValueError("A streamer shows one sequence: use batch size 1 with streamer=..., or drop the streamer.")
     eos = _eos_ids(model, eos_token_id, input_ids.device)
     canvas = Canvas(model, input_ids, attention_mask, config)
-    output = DiffusionGenerateOutput(drafts_per_forward=config.max_drafts if draft_graph is not None else 0,
-                                     exact=config.is_exact_for(model))
+    drafts_per_forward = min(config.max_drafts, len(draft_graph)) if draft_graph is not None else 0
+    output = DiffusionGenerateOutput(drafts_per_forward=drafts_per_forward, exact=config.is_exact_for(model))
     mask_id, b = model.mask_token_id, input_ids.shape[0]
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -436,6 +447,9 @@ def diffusion_generate(
 
 
 def _check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    if not torch.is_tensor(input_ids):
+        raise TypeError(f"input_ids must be a tensor of token ids (tokenizer(..., return_tensors='pt')), got "
+                        f"{type(input_ids).__name__}.")
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be (batch, prompt length) with at least one token, got {tuple(input_ids.shape)}.")
     if attention_mask is None:
@@ -444,6 +458,8 @@ def _check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) 
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have input_ids' shape "
                          f"{tuple(input_ids.shape)}.")
     valid = attention_mask.bool()
+    if not valid.any(dim=1).all():
+        raise ValueError("A prompt is all padding (an attention_mask row of zeros): give every row at least one token.")
     if not valid[:, -1].all() or bool((valid[:, :-1] & ~valid[:, 1:]).any()):
         # the answer starts right after the last prompt column: a right-padded row would be read through its padding
         raise ValueError("Prompts must be left-padded (each attention_mask row 0...0 1...1, its last column 1): set "
@@ -454,7 +470,10 @@ def _eos_ids(model, eos_token_id, device):
     ids = eos_token_id if eos_token_id is not None else getattr(model.config, "eos_token_id", None)
     if ids is None:
         return None
-    return torch.tensor([ids] if isinstance(ids, int) else list(ids), device=device)
+    ids = [ids] if isinstance(ids, int) else list(ids)
+    if not ids:
+        raise ValueError("eos_token_id is an empty list: give at least one id, or None (no EOS: decode every block).")
+    return torch.tensor(ids, device=device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -462,6 +481,14 @@ def _eos_ids(model, eos_token_id, device):
 # ----------------------------------------------------------------------------------------------------------------
 
 _OPTION_NAMES = {f for f in DiffusionGenerationConfig.__dataclass_fields__}
+
+
+def generate_before_enable(model, *args, **kwargs):
+    """`generate` of a diffusion LM that was not enabled: decoding is opt-in per model, as for causal LMs."""
+    raise AttributeError(
+        f"{type(model).__name__}.generate is hf_specdiff's diffusion decoding, which is opt-in per model: call "
+        "hf_specdiff.enable(model) first."
+    )
 
 
 def diffusion_lm_generate(model, input_ids=None, attention_mask=None, *, speculation=None, draft_graph=None,
@@ -481,7 +508,15 @@ def diffusion_lm_generate(model, input_ids=None, attention_mask=None, *, specula
         )
     if input_ids is None:
         raise ValueError("generate() of a diffusion LM needs input_ids (the tokenized prompt).")
+    if generation_config is not None and not isinstance(generation_config, DiffusionGenerationConfig):
+        raise TypeError(
+            f"generation_config of a diffusion LM is a hf_specdiff DiffusionGenerationConfig, got "
+            f"{type(generation_config).__name__}; pass that, or the options as keyword arguments (max_new_tokens=..., "
+            "temperature=...)."
+        )
     config = DiffusionGenerationConfig(**{**(vars(generation_config) if generation_config else {}), **options})
+    if do_sample is True and options.get("temperature") == 0:
+        raise ValueError("do_sample=True contradicts temperature=0 (greedy); drop one of them.")
     if do_sample is True and config.temperature == 0:
         config.temperature = 1.0  # transformers' default temperature for sampling
     elif do_sample is False and config.temperature > 0:
@@ -494,6 +529,13 @@ def diffusion_lm_generate(model, input_ids=None, attention_mask=None, *, specula
                              "spiffy_graph.json; make one with `hf-specdiff calibrate`).")
         if not isinstance(draft_graph, DraftGraph):
             draft_graph = DraftGraph.from_pretrained(draft_graph)
+        if not config.is_exact_for(model):
+            warnings.warn(
+                f"Spiffy with cache={config.cache!r} on a bidirectional model is near-lossless only: its drafts see "
+                "keys and values computed with the real block, so its output can differ from ordinary decoding's "
+                "(out.exact is False). Use cache='dual' for output identical to ordinary dual-cache decoding.",
+                stacklevel=2,
+            )
     elif draft_graph is not None:
         raise ValueError("draft_graph= is used by speculation='spiffy' only; add speculation='spiffy' or drop it.")
     output = diffusion_generate(model, input_ids, attention_mask, config, draft_graph, eos_token_id,

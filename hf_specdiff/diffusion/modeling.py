@@ -45,7 +45,8 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .._attention import grouped_query_attention
-from .._hub import SAVED_FOLDER, check_folder_or_repo_id, find_file
+from .._hub import HUB_OPTIONS, SAVED_FOLDER, check_folder_or_repo_id, find_file
+from .decoding import generate_before_enable
 
 OUR_MODEL_TYPE = "hf_specdiff_diffusion_lm"
 
@@ -387,6 +388,8 @@ class DiffusionLM(PreTrainedModel):
     _no_split_modules = ["DiffusionLayer"]
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
+    generate = generate_before_enable  # `hf_specdiff.enable(model)` gives this model its diffusion decoding
+
     def __init__(self, config: DiffusionLMConfig):
         super().__init__(config)
         self.model = DiffusionBody(config)
@@ -593,11 +596,12 @@ def _read_safetensors(where: str, hub_kwargs: dict) -> dict[str, torch.Tensor]:
                       f"model.safetensors.index.json (only safetensors checkpoints are supported). {error}") from error
     state = {}
     for file in files:
-        state.update(load_file(file))
+        try:
+            state.update(load_file(file))
+        except Exception as error:  # a truncated or malformed safetensors file surfaces as various errors
+            raise ValueError(f"Could not read the weights {file} ({type(error).__name__}: {error}): the file is "
+                             "corrupt or incomplete; download or save the model again.") from error
     return state
-
-
-HUB_OPTIONS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies", "subfolder")
 
 
 def _requested_dtype(dtype, hub_kwargs: dict) -> torch.dtype | None:

@@ -515,6 +515,12 @@ def _check_config(config: DiffusionTrainConfig) -> None:
         "block_length": (config.block_length >= 1, ">= 1"),
         "eval_sequences": (config.eval_sequences >= 1, ">= 1"),
     })
+    if config.finetune == "full":  # every weight trains: the LoRA options would shape nothing
+        defaults = DiffusionTrainConfig()
+        if changed := [name for name in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
+                       if getattr(config, name) != getattr(defaults, name)]:
+            raise ValueError(f"finetune='full' trains every weight, so {changed} would do nothing: drop them, or use "
+                             "finetune='lora'.")
     if config.finetune == "lora" and importlib.util.find_spec("peft") is None:
         raise ImportError("LoRA training needs peft: `pip install 'hf_specdiff[train]'` (or finetune='full'). Loading "
                           "the trained adapter does not.")
