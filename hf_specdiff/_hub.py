@@ -50,10 +50,11 @@ def find_file(path_or_repo_id: str, filename: str, what: str, remedy: str, **hub
 HUB_OPTIONS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies", "subfolder")
 
 
-def check_hub_options(kwargs: dict, what: str) -> None:
+def check_hub_options(kwargs: dict, what: str, also: str = "") -> None:
+    """Refuse a `from_pretrained` keyword that is not a Hub option (`also`: the loader's own, for the message)."""
     if unknown := sorted(set(kwargs) - set(HUB_OPTIONS)):
-        raise TypeError(f"from_pretrained of a {what} got unsupported arguments {unknown}; it takes the Hub options "
-                        f"{', '.join(HUB_OPTIONS)}.")
+        raise TypeError(f"from_pretrained of a {what} got unsupported arguments {unknown}; it takes {also}the Hub "
+                        f"options {', '.join(HUB_OPTIONS)}.")
 
 
 # transformers' `push_to_hub` options that shape the Hub commit (the others shape the saved files, or nothing here)

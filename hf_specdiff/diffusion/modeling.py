@@ -45,7 +45,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .._attention import grouped_query_attention
-from .._hub import HUB_OPTIONS, SAVED_FOLDER, check_folder_or_repo_id, find_file
+from .._hub import SAVED_FOLDER, check_folder_or_repo_id, check_hub_options, find_file
 from .decoding import generate_before_enable
 
 OUR_MODEL_TYPE = "hf_specdiff_diffusion_lm"
@@ -611,10 +611,7 @@ def _requested_dtype(dtype, hub_kwargs: dict) -> torch.dtype | None:
         if dtype is not None:
             raise TypeError("Pass dtype= or torch_dtype=, not both.")
         dtype = hub_kwargs.pop("torch_dtype")
-    unknown = sorted(set(hub_kwargs) - set(HUB_OPTIONS))
-    if unknown:
-        raise TypeError(f"from_pretrained got unsupported arguments {unknown}; it takes dtype, device, base and the Hub "
-                        f"options {list(HUB_OPTIONS)}.")
+    check_hub_options(hub_kwargs, "diffusion LM", also="dtype, device, base and ")
     if dtype is None or dtype == "auto":
         return None
     if isinstance(dtype, str):
