@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import weakref
 
 import torch
@@ -285,22 +286,31 @@ def new_static_cache(config, max_cache_len: int) -> StaticCache:
     return cache
 
 
-# owner module -> ((length, dtype, device), its static cache); weak: a cache lives no longer than its model
-_reused_static_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per thread, owner module -> (what the cache was made for, the cache); weak: a cache lives no longer than its model.
+# Per thread because two threads decoding with one model at once must not write one cache.
+_reused_static_caches = threading.local()
 
 
 def reused_static_cache(owner, config, max_cache_len: int) -> StaticCache:
-    """An empty static cache for `owner`'s forward (the target or the drafter): the one its previous call used, reset,
-    where length, dtype and device match (as `generate` reuses `model._cache`), else a new one. A compiled forward
-    under CUDA graphs reads the cache at fixed addresses: a new cache per call would re-record its graphs every call.
-    Kept here, not on the model: nothing is parked on the user's objects."""
-    key = (max_cache_len, owner.dtype, owner.device)
-    kept = _reused_static_caches.get(owner)
-    if kept is not None and kept[0] == key:
+    """An empty static cache for `owner`'s forward (the target or the drafter): the one this thread's previous call
+    used, reset, where it suits this call, else a new one. A compiled forward under CUDA graphs reads the cache at
+    fixed addresses: a new cache per call would re-record its graphs every call. Kept here, not on the model: nothing
+    is parked on the user's objects.
+
+    A cache suits a call made with the same length and device, the same dtype of keys and values (the model's, or
+    autocast's where autocast is on: the cache's tensors take the dtype of the first keys written), and the same
+    inference mode (tensors made under `torch.inference_mode()` cannot be written outside it)."""
+    device_type = owner.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else owner.dtype
+    made_for = (max_cache_len, dtype, owner.device, torch.is_inference_mode_enabled())
+    if not hasattr(_reused_static_caches, "by_owner"):
+        _reused_static_caches.by_owner = weakref.WeakKeyDictionary()
+    kept = _reused_static_caches.by_owner.get(owner)
+    if kept is not None and kept[0] == made_for:
         kept[1].reset()
         return kept[1]
     cache = new_static_cache(config, max_cache_len)
-    _reused_static_caches[owner] = (key, cache)
+    _reused_static_caches.by_owner[owner] = (made_for, cache)
     return cache
 
 

@@ -57,6 +57,17 @@ def check_hub_options(kwargs: dict, what: str, also: str = "") -> None:
                         f"options {', '.join(HUB_OPTIONS)}.")
 
 
+def take_dtype(dtype, hub_kwargs: dict, what: str, also: str):
+    """`dtype`, or transformers' older spelling `torch_dtype` taken out of `hub_kwargs`, after refusing the other
+    options of `hub_kwargs` that are not Hub options (`from_pretrained` of a `what` would drop them without a word)."""
+    if "torch_dtype" in hub_kwargs:
+        if dtype is not None:
+            raise TypeError("Pass dtype= or torch_dtype=, not both.")
+        dtype = hub_kwargs.pop("torch_dtype")
+    check_hub_options(hub_kwargs, what, also)
+    return dtype
+
+
 # transformers' `push_to_hub` options that shape the Hub commit (the others shape the saved files, or nothing here)
 UPLOAD_OPTIONS = ("commit_message", "commit_description", "private", "token", "revision", "create_pr")
 

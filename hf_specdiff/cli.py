@@ -1,4 +1,5 @@
-"""`hf-specdiff` command line: distill, train, train-diffusion, bench, demo, export, calibrate. Options mirror the dataclasses they fill (one default each)."""
+"""`hf-specdiff` command line: distill, train, train-diffusion, bench, demo, export, calibrate, draft-vocab. Options
+mirror the dataclasses they fill (one default each)."""
 
 from __future__ import annotations
 
@@ -287,10 +288,20 @@ def _bench_table(path: str | None, kind: str) -> str | None:
         raise not_a_bench from error
 
 
-def _card_text(args, base_model: str) -> dict:
-    """The card's free-text facts. The defaults describe the project's runs of the embedded target; another base
-    model's card must not claim them, so there each is required."""
+# the distill corpus EMBEDDED_DATA_DESCRIPTION describes, as the run's train_config.json records its files
+EMBEDDED_DATA_FILES = {"smollm2-135m-instruct/gsm8k_train.jsonl", "smollm2-135m-instruct/sharegpt.jsonl"}
+
+
+def _card_text(args, base_model: str, train_config: dict) -> dict:
+    """The card's free-text facts. The defaults describe the project's runs of the embedded target on its distill
+    corpus; a card of another base model, or of a run on other data, must not claim them, so there each is required."""
+    import os
+
     facts = {"data_description": args.data_description, "train_hardware": args.train_hardware}
+    data_files = {"/".join(os.path.normpath(path).split(os.sep)[-2:]) for path in train_config.get("data") or ()}
+    if facts["data_description"] is None and base_model == EMBEDDED_HUB_ID and data_files != EMBEDDED_DATA_FILES:
+        raise SystemExit(f"--data-description is required: the run trained on {sorted(data_files)}, not the distill "
+                         "corpus the default describes. Say what it was trained on.")
     defaults = {"data_description": EMBEDDED_DATA_DESCRIPTION, "train_hardware": EMBEDDED_TRAIN_HARDWARE}
     for name, value in facts.items():
         if value is None and base_model == EMBEDDED_HUB_ID:
@@ -347,7 +358,7 @@ def export_speculator(args) -> None:
     embedded = target is None or is_embedded_folder(target)
     base_model = _card_base_model(args, target, embedded)
     card_license = _card_license(args, base_model)
-    text = _card_text(args, base_model)
+    text = _card_text(args, base_model, train_config)
     measured = _bench_table(args.bench_json, "speculator") or "Not benchmarked yet."
     speculator = AutoSpeculator.from_pretrained(run / "speculator").to(getattr(torch, args.dtype))
     saved = run / SAVED_STEP_FILE
@@ -398,7 +409,7 @@ def export_diffusion(args) -> None:
     base = published.get("base")
     base_model = _card_base_model(args, base, base in (None, EMBEDDED_BASE))
     card_license = _card_license(args, base_model)
-    text = _card_text(args, base_model)
+    text = _card_text(args, base_model, train_config)
     measured = _bench_table(args.bench_json, "diffusion LM") or "Not benchmarked yet."
     weights = {name: t.to(getattr(torch, args.dtype)).contiguous() for name, t in load_file(source / WEIGHTS_NAME).items()}
     output.mkdir(parents=True, exist_ok=True)
@@ -550,7 +561,7 @@ def _export_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--license", default=None, help="the card's licence, a Hub licence id (default: apache-2.0, "
                         f"{EMBEDDED_HUB_ID}'s, for the embedded base; required for another base)")
     parser.add_argument("--data-description", default=None, help="what the run trained on (default for the embedded "
-                        f"base: {EMBEDDED_DATA_DESCRIPTION!r}; required for another base)")
+                        f"base trained on its distill corpus: {EMBEDDED_DATA_DESCRIPTION!r}; required otherwise)")
     parser.add_argument("--train-hardware", default=None, help="what it trained on (default for the embedded base: "
                         f"{EMBEDDED_TRAIN_HARDWARE!r}; required for another base)")
     parser.add_argument("--limitations", default="", help="the card's Limitations section: what these weights are not "

@@ -641,6 +641,10 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
                     "native dFlash path)."
                 )
             assistant_model.check_compatible(model, "dflash")  # transformers would fail deep inside, if at all
+            config = kwargs.get("generation_config") or model.generation_config
+            if (kwargs.get("num_beams") or config.num_beams or 1) > 1:  # transformers only warns, and decodes greedily
+                raise ValueError("transformers' native dFlash path (speculation_type='dflash') does not do beam "
+                                 "search: set num_beams=1, or generate without the speculator.")
             assistant_model = assistant_model.drafter  # transformers' native dFlash path drives the drafter alone
         return generate(model, *args, assistant_model=assistant_model, **kwargs)
 
@@ -732,8 +736,13 @@ def enable(model):
         return model
     if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
         # a PEFT wrapper's generate calls its base model's, so enabling that one serves the wrapper too
-        hint = (" Enable the model it wraps: hf_specdiff.enable(model.get_base_model()), then call the wrapper's "
-                "generate as before." if callable(getattr(model, "get_base_model", None)) else "")
+        hint = ""
+        if callable(getattr(model, "get_base_model", None)):
+            hint = (" Enable the model it wraps: hf_specdiff.enable(model.get_base_model()), then call the wrapper's "
+                    "generate as before.")
+        elif isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # what torch.compile(model) returns
+            hint = (" Enable the model it wraps, hf_specdiff.enable(compiled._orig_mod), and call generate as before "
+                    "(or enable the model first and compile it in place with model.compile()).")
         raise TypeError(
             f"hf_specdiff.enable expects a transformers causal LM (PreTrainedModel with generate), got "
             f"{type(model).__name__}.{hint}"

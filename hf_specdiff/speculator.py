@@ -32,6 +32,7 @@ from ._hub import (
     check_folder_or_repo_id,
     find_file,
     split_push_options,
+    take_dtype,
     upload_folder,
 )
 from .dflash import DFlashConfig, DFlashDraftModel, embedding_sample, full_attention_rope_parameters, spread_layer_ids
@@ -82,7 +83,9 @@ class Speculator(nn.Module):
             "A Speculator is used through hf_specdiff: call hf_specdiff.enable(model) once, then "
             "model.generate(..., assistant_model=speculator, speculation='xpress' | 'dflash' | 'markov'). With a "
             "pipeline, enable its model and pass both to the call, pipe(..., assistant_model=speculator, "
-            "speculation=...), not to pipeline(): transformers' pipeline expects an assistant language model there."
+            "speculation=...), not to pipeline(): transformers' pipeline expects an assistant language model there. "
+            "transformers' native dFlash path (speculation_type='dflash') takes speculator.drafter on a model not "
+            "enabled."
         )
 
     @property
@@ -102,7 +105,16 @@ class Speculator(nn.Module):
         `placement` also requires the same device and dtype as the target's lm_head."""
         text_config = target.config.get_text_config()
         drafter = self.drafter.config
+        check_target_weights(target)
         check_embedding_width(target)
+        if placement and self.device.type == "meta":
+            where = str(target.get_output_embeddings().weight.device)
+            raise ValueError("The speculator has no weights (it is on the meta device, e.g. loaded with "
+                             f"device='meta'): load it with AutoSpeculator.from_pretrained(path, device={where!r}).")
+        quantized = _quantized_module(self) if placement else None
+        if quantized is not None:
+            raise ValueError(f"The speculator's {quantized} is a torch.ao quantized module, which hf_specdiff cannot "
+                             "run: speculate with the speculator as loaded (bf16 or float32).")
         checks = [
             ("hidden size", drafter.hidden_size, text_config.hidden_size),
             ("vocabulary size", drafter.vocab_size, target.get_output_embeddings().weight.shape[0]),
@@ -219,6 +231,7 @@ class Speculator(nn.Module):
         from transformers.utils import cached_file
 
         path_or_repo_id = str(path_or_repo_id)
+        dtype = take_dtype(dtype, hub_kwargs, "speculator", also="dtype, device and ")
         check_folder_or_repo_id(path_or_repo_id, "speculator")
         subfolder = hub_kwargs.get("subfolder") or ""  # the add-ons' subfolders extend it
         config = _read_json_object(find_file(path_or_repo_id, "config.json", "speculator", SAVED_FOLDER, **hub_kwargs))
@@ -255,6 +268,37 @@ class Speculator(nn.Module):
                                             **hub_kwargs)
         speculator = cls(drafter, **parts, draft_vocab=draft_vocab)
         return speculator.to(device) if device is not None else speculator
+
+
+def _quantized_module(model) -> str | None:
+    """The name of the first torch.ao quantized module in `model` (e.g. from `torch.ao.quantization.quantize_dynamic`),
+    or None."""
+    return next((name or type(model).__name__ for name, module in model.named_modules()
+                 if type(module).__module__.startswith("torch.ao.nn.quantized")), None)
+
+
+def check_target_weights(target) -> None:
+    """Refuse a target whose token embeddings or lm_head are not in memory (accelerate's offload keeps them on the
+    meta device and loads them inside the module's forward; the drafter reads the weights themselves), or that holds
+    torch.ao quantized layers (dynamic quantisation scales a forward's activations over all its tokens, so the
+    target's verify forward over a block would not compute what one-token decoding computes: speculation would not
+    be lossless)."""
+    parts = (("token embeddings", target.get_input_embeddings()), ("lm_head", target.get_output_embeddings()))
+    for what, module in parts:
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.device.type == "meta":
+            raise ValueError(
+                f"The target's {what} are not in memory (on the meta device: offloaded by accelerate, or loaded "
+                "without weights). The drafter reads the token embeddings and lm_head weights directly: keep them on "
+                "the execution device (offload other layers only, e.g. a device_map that puts "
+                "`model.embed_tokens` and `lm_head` on the GPU), or generate without speculation.")
+    quantized = _quantized_module(target)
+    if quantized is not None:
+        raise ValueError(
+            f"The target's {quantized} is a torch.ao quantized module: dynamic quantisation scales activations over "
+            "all the tokens of a forward, so verifying a block would not compute what one-token decoding computes, "
+            "and the output would differ from plain generate. Generate without speculation, or quantise with a "
+            "method whose per-token result does not depend on the other tokens (e.g. weight-only quantisation).")
 
 
 def check_embedding_width(target) -> None:
@@ -408,6 +452,7 @@ class AutoSpeculator:
         `num_draft_layers` layers spread over the target's depth, as in the published drafters. `mask_token_id`
         defaults to the last row of the target's embedding table.
         """
+        check_target_weights(target)
         check_embedding_width(target)
         text = target.config.get_text_config()
         if getattr(text, "is_heterogeneous", False) and "full_attention" in (getattr(text, "layer_types", None) or ()):

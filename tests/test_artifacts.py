@@ -143,7 +143,9 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
     if continued:  # (either case would do) a draft vocabulary is exported and named on the card
         speculator.draft_vocab = torch.tensor([7, 3, 9])
     speculator.save_pretrained(run / "speculator")
-    config = TrainConfig(init_speculator="shipped/earlier" if continued else None, init_from_target_layer=-1)
+    distill = "../shared/data/distill/smollm2-135m-instruct"
+    config = TrainConfig(init_speculator="shipped/earlier" if continued else None, init_from_target_layer=-1,
+                         data=[f"{distill}/gsm8k_train.jsonl", f"{distill}/sharegpt.jsonl"])
     (run / "train_config.json").write_text(json.dumps(config.to_dict()))
     (run / "log.jsonl").write_text(json.dumps({"step": 7, "loss": 1.0, "tau_dflash": 1.5, "tau_xpress": 1.75}) + "\n")
     template = Path(__file__).parents[1] / "model_cards" / "speculator.md"
@@ -153,6 +155,7 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
         with pytest.raises(SystemExit, match="did not start from one: drop it"):
             main(export + earlier)
     main(export + (earlier if continued else []))
+    assert "4,500 GSM8K train questions" in (output / "README.md").read_text()  # the distill corpus, described
 
     loaded = AutoSpeculator.from_pretrained(output)
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
@@ -174,6 +177,10 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
     # no --limitations: the section still says what holds for every speculator, never left empty
     assert card_limitations(card).startswith("Acceptance and speed have not been measured yet (see Measured). Prompts")
     assert "for HuggingFaceTB/SmolLM2-135M-Instruct only" in card_limitations(card)
+    # the embedded target trained on other data: the distill corpus's description is not its card's
+    (run / "train_config.json").write_text(json.dumps({**config.to_dict(), "data": ["my_answers.jsonl"]}))
+    with pytest.raises(SystemExit, match=r"--data-description is required: the run trained on \['my_answers.jsonl'\]"):
+        main(export + (earlier if continued else []))
     # another target: its licence is not ours to guess
     (run / "train_config.json").write_text(json.dumps({**config.to_dict(), "target": "my-org/my-llama"}))
     with pytest.raises(SystemExit, match="--license is required.*'my-org/my-llama'"):
@@ -376,6 +383,18 @@ def test_a_drafter_config_with_top_level_dflash_fields_loads(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**published, "mask_token_id": fields["mask_token_id"] + 1}))
     with pytest.raises(ValueError, match="mask_token_id=.* at the top level and .* in dflash_config"):
         AutoSpeculator.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_takes_torch_dtype_and_refuses_what_it_would_drop(tmp_path):
+    """transformers' older `torch_dtype=` works as `dtype=`; both at once, or an option the loader does not use
+    (`device_map`, `attn_implementation`: the drafter has its own attention), are refused, not dropped."""
+    make_speculator(make_target()).save_pretrained(tmp_path)
+    assert AutoSpeculator.from_pretrained(tmp_path, torch_dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="Pass dtype= or torch_dtype=, not both"):
+        AutoSpeculator.from_pretrained(tmp_path, dtype=torch.float16, torch_dtype=torch.float32)
+    for option in ("device_map", "attn_implementation"):
+        with pytest.raises(TypeError, match=rf"unsupported arguments \['{option}'\]; it takes dtype, device and"):
+            AutoSpeculator.from_pretrained(tmp_path, **{option: "cpu" if option == "device_map" else "eager"})
 
 
 def test_casting_keeps_the_rope_frequencies_it_was_trained_with(tmp_path):

@@ -188,10 +188,10 @@ def test_bad_layer_ids_and_mask_token(target):
         target.generate(PROMPT, assistant_model=speculator, speculation="dflash")
 
 
-def test_wrong_device(target, speculator):
-    speculator.to("meta")
-    with pytest.raises(ValueError, match="speculator.to"):
-        target.generate(PROMPT, assistant_model=speculator, speculation="dflash")
+def test_beam_search_on_the_native_dflash_path_is_refused(target, speculator):
+    """transformers' own path would only warn and decode greedily."""
+    with pytest.raises(ValueError, match="native dFlash path .* does not do beam search: set num_beams=1"):
+        target.generate(PROMPT, assistant_model=speculator, speculation_type="dflash", max_new_tokens=4, num_beams=2)
 
 
 def test_wrong_dtype(target, speculator):
@@ -229,6 +229,19 @@ def test_a_peft_wrapped_target_is_enabled_through_its_base_model():
     base = hf_specdiff.enable(wrapped.get_base_model())
     out = wrapped.generate(input_ids=PROMPT, max_new_tokens=12, do_sample=False, assistant_model=make_speculator(base),
                            speculation="xpress", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain) and out.speculation.target_forwards > 1
+
+
+def test_enabling_a_torch_compiled_model_says_to_enable_the_model_it_wraps(speculator):
+    """`torch.compile(model)` returns a wrapper that is no PreTrainedModel: the error says what to enable instead, and
+    done so, the wrapper's generate speculates losslessly."""
+    compiled = torch.compile(make_target())
+    with pytest.raises(TypeError, match=r"got OptimizedModule\. .*hf_specdiff\.enable\(compiled\._orig_mod\)"):
+        hf_specdiff.enable(compiled)
+    hf_specdiff.enable(compiled._orig_mod)
+    plain = compiled.generate(PROMPT, max_new_tokens=12, do_sample=False)
+    out = compiled.generate(PROMPT, max_new_tokens=12, do_sample=False, assistant_model=speculator,
+                            speculation="xpress", return_dict_in_generate=True)
     assert torch.equal(out.sequences, plain) and out.speculation.target_forwards > 1
 
 
@@ -369,3 +382,46 @@ def test_stats_fields_are_documented_in_to_dict():
     stats = hf_specdiff.SpeculationStats("xpress")
     fields = {f.name for f in dataclasses.fields(stats)}
     assert fields <= set(stats.to_dict())
+
+
+def test_an_offloaded_or_meta_target_is_refused_with_what_to_keep_in_memory(target, speculator):
+    """accelerate's offload keeps the token embeddings on the meta device and loads them inside the forward; the
+    drafter reads them directly, so speculation (and `from_target`) refuse it and say what to keep in memory. Plain
+    `generate` still works on the offloaded target, and offloading only the body stays lossless."""
+    import accelerate
+
+    expected = target.generate(PROMPT, do_sample=False, max_new_tokens=12)
+    offloaded = hf_specdiff.enable(accelerate.cpu_offload(make_target(), execution_device="cpu"))
+    assert torch.equal(offloaded.generate(PROMPT, do_sample=False, max_new_tokens=12), expected)
+    with pytest.raises(ValueError, match="token embeddings are not in memory.*embed_tokens.*lm_head"):
+        generate(offloaded, speculator)
+    with pytest.raises(ValueError, match="token embeddings are not in memory"):
+        AutoSpeculator.from_target(offloaded)
+    body_offloaded = make_target()
+    for layer in body_offloaded.model.layers:
+        accelerate.cpu_offload(layer, execution_device="cpu")
+    out = hf_specdiff.enable(body_offloaded).generate(PROMPT, do_sample=False, max_new_tokens=12,
+                                                       assistant_model=speculator, speculation="xpress")
+    assert torch.equal(out, expected)
+
+
+def test_a_speculator_without_weights_is_refused_with_how_to_load_it(target, speculator):
+    """A speculator on the meta device cannot be moved (`.to()` has no data to copy): say how to load it instead."""
+    with pytest.raises(ValueError, match=r"no weights .*meta.*from_pretrained\(path, device='cpu'\)"):
+        generate(target, speculator.to("meta"))
+
+
+def test_torch_ao_quantized_layers_are_refused(target):
+    """Dynamic quantisation scales activations over a forward's tokens: a verify forward would compute other logits
+    than one-token decoding, so a quantised target is refused (not silently inexact), and so is a quantised
+    speculator (its layers have no weight tensors)."""
+    from torch.ao.quantization import quantize_dynamic
+
+    speculator = make_speculator(target)
+    body_quantized = make_target()
+    body_quantized.model = quantize_dynamic(body_quantized.model, {torch.nn.Linear}, dtype=torch.qint8)
+    with pytest.raises(ValueError, match=r"target's model\.layers\.0\..* torch\.ao quantized module.*differ"):
+        generate(hf_specdiff.enable(body_quantized), speculator)
+    quantized_speculator = quantize_dynamic(make_speculator(target), {torch.nn.Linear}, dtype=torch.qint8)
+    with pytest.raises(ValueError, match=r"speculator's drafter\..* torch\.ao quantized module"):
+        generate(target, quantized_speculator)

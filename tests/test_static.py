@@ -196,18 +196,55 @@ def test_static_caches_are_reused_across_calls_and_emptied():
     (_, first), (_, second) = prompts(2, seed=4)
     out = run(target, speculator, "xpress", first, **options)
     cache = getattr(out, field)
-    drafter_cache = _compat._reused_static_caches[speculator.drafter][1]
+    drafter_cache = _compat._reused_static_caches.by_owner[speculator.drafter][1]
     keys = cache.layers[0].keys.data_ptr()
     for prompt in (second, first):
         again = run(target, speculator, "xpress", prompt, **options)
         assert getattr(again, field) is cache and cache.layers[0].keys.data_ptr() == keys
-        assert _compat._reused_static_caches[speculator.drafter][1] is drafter_cache
+        assert _compat._reused_static_caches.by_owner[speculator.drafter][1] is drafter_cache
         assert torch.equal(again.sequences, target.generate(prompt, do_sample=False, max_new_tokens=30))
     assert torch.equal(again.sequences, out.sequences)
     target.to(torch.float32), speculator.to(torch.float32)
     other = run(target, speculator, "xpress", first, **options)
     assert getattr(other, field) is not cache and getattr(other, field).layers[0].keys.dtype == torch.float32
     assert torch.equal(other.sequences, out.sequences)
+
+
+@pytest.mark.parametrize("first, then", [("inference_mode", "plain"), ("autocast", "plain"), ("plain", "autocast")],
+                         ids=["inference-mode-then-not", "autocast-then-not", "not-then-autocast"])
+def test_a_kept_static_cache_is_only_reused_by_a_call_it_suits(first, then):
+    """A static call under `torch.inference_mode()` or bf16 autocast leaves caches whose tensors a later call in
+    another mode cannot write (inference tensors; bf16 keys into a float32 cache): that call gets new caches and
+    decodes as plain `generate` does in its mode, as plain static `generate` itself does."""
+    import contextlib
+
+    modes = {"plain": contextlib.nullcontext, "inference_mode": torch.inference_mode,
+             "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}
+    target = hf_specdiff.enable(make_successor_target(dtype=torch.float32))
+    speculator = make_speculator(target, oracle=True).to(dtype=torch.float32)
+    (_, prompt), = prompts(1, seed=5)
+    options = dict(cache_implementation="static", max_new_tokens=24)
+    with modes[first]():
+        run(target, speculator, "xpress", prompt, **options)
+    with modes[then]():
+        out = run(target, speculator, "xpress", prompt, **options)
+        plain = target.generate(prompt, do_sample=False, **options)
+    assert torch.equal(out.sequences, plain)
+
+
+def test_threads_do_not_share_a_kept_static_cache():
+    """Two threads decoding with one model at once must not write one cache: each thread keeps its own (and a thread
+    reuses its own across calls)."""
+    import threading
+
+    target = make_successor_target()
+    config = target.config.get_text_config(decoder=True)
+    here = _compat.reused_static_cache(target, config, 64)
+    assert _compat.reused_static_cache(target, config, 64) is here
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append(_compat.reused_static_cache(target, config, 64)))
+    thread.start(), thread.join()
+    assert elsewhere and elsewhere[0] is not here
 
 
 @pytest.mark.slow

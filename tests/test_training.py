@@ -359,7 +359,7 @@ def test_the_model_card_describes_the_saved_weights_not_the_log_past_them(tmp_pa
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    main(["export", "--run", str(tmp_path / "run"), "--output", str(tmp_path / "out")])
+    main(["export", "--run", str(tmp_path / "run"), "--output", str(tmp_path / "out"), "--data-description", "toy"])
     card = (tmp_path / "out" / "README.md").read_text()
     assert "10 steps of batch\n4 sequences" in card
     assert f"xpress {at_10['tau_xpress']:.2f}" in card and "(step 10)" in card and "(step 15)" not in card
@@ -369,7 +369,7 @@ def test_the_model_card_describes_the_saved_weights_not_the_log_past_them(tmp_pa
     steps = [json.loads(line)["step"] for line in (tmp_path / "logs" / "run.jsonl").open()]
     assert steps == list(range(1, 16)) + list(range(11, 21))
     monkeypatch.chdir(elsewhere)
-    main(["export", "--run", str(tmp_path / "run"), "--output", str(tmp_path / "out")])
+    main(["export", "--run", str(tmp_path / "run"), "--output", str(tmp_path / "out"), "--data-description", "toy"])
     assert "20 steps of batch" in (tmp_path / "out" / "README.md").read_text()
 
 

@@ -45,7 +45,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .._attention import grouped_query_attention
-from .._hub import SAVED_FOLDER, check_folder_or_repo_id, check_hub_options, find_file
+from .._hub import SAVED_FOLDER, check_folder_or_repo_id, find_file, take_dtype
 from .decoding import generate_before_enable
 
 OUR_MODEL_TYPE = "hf_specdiff_diffusion_lm"
@@ -607,11 +607,7 @@ def _read_safetensors(where: str, hub_kwargs: dict) -> dict[str, torch.Tensor]:
 def _requested_dtype(dtype, hub_kwargs: dict) -> torch.dtype | None:
     """`dtype` (or transformers' older spelling `torch_dtype`, taken out of `hub_kwargs`) as a torch dtype, None for
     the stored one ("auto" too); refuses options `from_pretrained` would otherwise drop without a word."""
-    if "torch_dtype" in hub_kwargs:
-        if dtype is not None:
-            raise TypeError("Pass dtype= or torch_dtype=, not both.")
-        dtype = hub_kwargs.pop("torch_dtype")
-    check_hub_options(hub_kwargs, "diffusion LM", also="dtype, device, base and ")
+    dtype = take_dtype(dtype, hub_kwargs, "diffusion LM", also="dtype, device, base and ")
     if dtype is None or dtype == "auto":
         return None
     if isinstance(dtype, str):
