@@ -19,8 +19,8 @@ registry of this project's machines has no such `kernels`, so 5.25 was tested in
   a 0-d tensor `cumulative_length` (so that compiled forwards do not specialise on it) and `update` writes there.
   5.24's `StaticLayer.crop(-n)` only lowers that tensor (the next write overwrites the stale slots); 5.17's
   `StaticLayer` has no `crop`, so `crop_cache` lowers it itself, in both versions.
-- `StaticCache.reset()` zeroes its tensors and `cumulative_length` in place, keeping their addresses (both), as
-  `generate` does to reuse `model._cache`; the speculative loop reuses its static caches the same way.
+- `StaticCache.reset()` zeroes its tensors and `cumulative_length` in place, keeping their addresses (both); the
+  speculative loop reuses its static caches that way (`generate` itself builds a new one per call in 5.17 to 5.25).
 - A 4D attention mask (or a dict of them by layer type, in the models with several layer types) is used as given:
   `masking_utils._preprocess_mask_arguments` returns it unchanged (both). Batched speculation on a sliding-window
   target passes its own there, over a `DynamicCache()`, which without a config makes full `DynamicLayer`s (both);

@@ -40,18 +40,21 @@ def test_distill_writes_rows_and_resumes(tmp_path, smollm):
     assert len(read_sequences([str(tmp_path / "answers.jsonl")], 256)) == 4
 
 
-def test_prompt_sources(tmp_path):
-    try:
-        gsm8k = collect_prompts(DistillConfig(sources=["gsm8k"], limit=5))
-    except FileNotFoundError:
-        pytest.skip("benchmark data (shared/data) not available")
-    assert len(gsm8k) == 5 and all(i.startswith("gsm8k-train-") for i, _ in gsm8k)
+def test_bad_prompt_sources_are_refused(tmp_path):
     with pytest.raises(ValueError, match="Unknown prompt source"):
         collect_prompts(DistillConfig(sources=["imagenet"]))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "x"}\n')
     with pytest.raises(ValueError, match="needs a `prompt` field"):
         collect_prompts(DistillConfig(sources=[str(bad)]))
+
+
+def test_prompt_sources():
+    try:
+        gsm8k = collect_prompts(DistillConfig(sources=["gsm8k"], limit=5))
+    except FileNotFoundError:
+        pytest.skip("benchmark data (shared/data) not available")
+    assert len(gsm8k) == 5 and all(i.startswith("gsm8k-train-") for i, _ in gsm8k)
 
 
 def test_sharegpt_first_turns_survive_the_cut_off_file():

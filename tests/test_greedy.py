@@ -57,7 +57,7 @@ def test_greedy_equals_plain_random_drafts(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_sliding_window_target_past_its_window(method):
+def test_sliding_window_target_past_its_window(method, monkeypatch):
     """A Mistral-style target whose sliding window (8) the prompt and output outgrow: the cache's sliding layers must
     keep what each roll-back needs."""
     from transformers import MistralConfig, MistralForCausalLM
@@ -68,8 +68,14 @@ def test_sliding_window_target_past_its_window(method):
                            pad_token_id=0, tie_word_embeddings=False)
     target = hf_specdiff.enable(MistralForCausalLM(config).double().eval())
     speculator = make_speculator(target)
+    accepted = set()
     for i, prompt in prompts(count=6, seed=1):
-        assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=12 + 5 * i)
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=12 + 5 * i)
+        with monkeypatch.context() as patch:  # drafts right up to a varying slot: roll-backs of every depth
+            replay_greedy_drafts(patch, [plain[0]])
+            accepted.update(assert_same_as_plain(target, speculator, method, prompt,
+                                                 max_new_tokens=12 + 5 * i).accepted_lengths)
+    assert len(accepted) >= 5, f"roll-backs of too few depths: accepted lengths {sorted(accepted)}"
 
 
 # Families users bring, each with what sets it apart from Llama: Qwen3 (q/k norms), Phi3 (fused projections), Gemma 2
@@ -103,9 +109,10 @@ TARGET_FAMILIES = {
 
 
 @pytest.mark.parametrize("family", TARGET_FAMILIES)
-def test_greedy_equals_plain_across_target_families(family):
+def test_greedy_equals_plain_across_target_families(family, monkeypatch):
     """`AutoSpeculator.from_target` builds a drafter for each family, and every method stays lossless on it, with the
-    static cache too."""
+    static cache too. The drafts replay plain greedy's tokens up to a varying slot (a random drafter's are nearly all
+    rejected), so each family's cache is rolled back by every depth."""
     import transformers
 
     config_name, model_name, extra = TARGET_FAMILIES[family]
@@ -116,12 +123,18 @@ def test_greedy_equals_plain_across_target_families(family):
     )
     target = hf_specdiff.enable(getattr(transformers, model_name)(config).double().eval())
     speculator = make_speculator(target)
+    accepted, accepted_static = set(), set()
     for i, prompt in prompts(count=3, seed=2):
-        for method in METHODS:
-            assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=10 + 6 * i)
-        if i == 0:
-            assert_same_as_plain(target, speculator, "xpress", prompt, {"cache_implementation": "static"},
-                                 max_new_tokens=10)
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=10 + 6 * i)
+        with monkeypatch.context() as patch:
+            replay_greedy_drafts(patch, [plain[0]])
+            for method in METHODS:
+                accepted.update(assert_same_as_plain(target, speculator, method, prompt,
+                                                     max_new_tokens=10 + 6 * i).accepted_lengths)
+            accepted_static.update(assert_same_as_plain(target, speculator, "xpress", prompt,
+                                                        {"cache_implementation": "static"},
+                                                        max_new_tokens=10 + 6 * i).accepted_lengths)
+    assert len(accepted) >= 5 and len(accepted_static) >= 3, f"too few roll-back depths: {accepted}, {accepted_static}"
 
 
 def test_a_vision_language_target_speculates_on_text_prompts():

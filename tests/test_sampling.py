@@ -49,8 +49,9 @@ def test_speculative_sampling_matches_target_distribution(setup, method, tempera
     target, speculator = setup
     torch.manual_seed(0)
     counts, acceptance = draw(target, speculator, method, temperature, top_k, cache_implementation=cache)
-    if method != "dflash":
-        assert 0.2 < acceptance < 0.95, f"the test should exercise both acceptance and rejection, got {acceptance:.2f}"
+    # the drafter alone proposes worse than its add-ons (0.57 measured at temperature 1), but must be accepted too
+    lowest = 0.1 if method == "dflash" else 0.2
+    assert lowest < acceptance < 0.95, f"the test should exercise both acceptance and rejection, got {acceptance:.2f}"
     p_value = chi_square_p_value(counts, exact_distribution(target, PROMPT, NEW_TOKENS, temperature, top_k), DRAWS)
     assert p_value > 1e-3, f"{method}: speculative samples do not follow the target (p={p_value:.2e})"
 
