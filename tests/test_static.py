@@ -224,11 +224,16 @@ def test_a_kept_static_cache_is_only_reused_by_a_call_it_suits(first, then):
     speculator = make_speculator(target, oracle=True).to(dtype=torch.float32)
     (_, prompt), = prompts(1, seed=5)
     options = dict(cache_implementation="static", max_new_tokens=24)
+    try:
+        for mode in (first, then):
+            with modes[mode]():
+                plain = target.generate(prompt, do_sample=False, **options)
+    except RuntimeError as error:  # 5.17 sizes a static cache in the model's dtype, and autocast's keys then fail
+        pytest.skip(f"plain static generate fails in these modes too, with this transformers: {error}")
     with modes[first]():
         run(target, speculator, "xpress", prompt, **options)
     with modes[then]():
         out = run(target, speculator, "xpress", prompt, **options)
-        plain = target.generate(prompt, do_sample=False, **options)
     assert torch.equal(out.sequences, plain)
 
 
