@@ -141,7 +141,7 @@ sim() {
   local stage="${1:?usage: kit.sh sim STAGE}"
   [[ -d "$build/c1" ]] || die "run \`kit.sh prepare $stage\` first"
   local root; root="$(mktemp -d "${TMPDIR:-/tmp}/gpu-sim.XXXX")"
-  local device_tmp="$root/device-tmp" call=0 line carry command copy
+  local device_tmp="$root/device-tmp" call=0 carry command copy
   while IFS='|' read -r carry command; do
     call=$(( call + 1 )); copy="$root/call$call"; mkdir -p "$copy/out"
     # the tree as slim leaves it (tracked minus the heavy folders, untracked-not-ignored), then this call's carry
