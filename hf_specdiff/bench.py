@@ -8,14 +8,16 @@ verify forward, draft step and Jacobi refinement compiled wherever ar_static's f
 compilation) is excluded from every figure.
 
 Per method: tokens/s and speedup over `ar` measured in the same run; prefill (time to the first generated token)
-and the decode rate after it; whether transformers compiled the forward; for our speculative methods tau (mean
-tokens per target forward after the prefill, bonus included), acceptance by block position, draft/refine/verify
-time per step in the steady state (the prefill forward and the first block's drafter pass over the prompt apart:
-`prefill_forward_ms`, `draft_prefill_ms`) and target forwards. Losslessness against `ar`: greedy runs compare token
-by token (raw mismatches, and those not explained by a near-tie of the target's logits in floating point; the second
-must be 0); sampled
-runs (`temperature > 0`) compare the target's mean log-probability of the generated tokens with a paired
-permutation test over prompts (`sampling_check`, see `paired_permutation_test`).
+and the decode rate after it; whether transformers compiled the forward; for the speculative methods tau (mean tokens
+per target forward after the prefill, bonus included, pooled over the run's steps, so that a prompt weighs by its
+steps; `tau_per_sample` gives each prompt's own, None for one that stopped at the prefill) and target forwards
+(`prompt_lookup` and `dflash_hf`, transformers' loops, keep no statistics: a hook counts their forwards, and tau comes
+from those and the tokens); for ours also acceptance by block position and draft/refine/verify time per step in the
+steady state (the prefill forward and the first block's drafter pass over the prompt apart: `prefill_forward_ms`,
+`draft_prefill_ms`). Losslessness against `ar`: greedy runs compare token by token (raw mismatches, and those not
+explained by a near-tie of the target's logits in floating point; the second must be 0); sampled runs
+(`temperature > 0`) compare the target's mean log-probability of the generated tokens with a paired permutation test
+over prompts (`sampling_check`, see `paired_permutation_test`).
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ class BenchConfig:
     data_dir: str | None = field(default=None, metadata={"help": (
         "folder holding the benchmark JSONL files; None: $HF_SPECDIFF_DATA, else ./shared/data or ../shared/data")})
     limit: int = field(default=10, metadata={"help": "prompts per dataset, or from --prompts (0: all of them)"})
-    seed: int = field(default=0, metadata={"help": "order in which prompts are drawn"})
+    seed: int = field(default=0, metadata={"help": (
+        "order in which prompts are drawn from --datasets (a --prompts file keeps its order), and sampling's seed")})
     methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "xpress", "markov"], metadata={"help": (
         "any of ar, ar_static, dflash, xpress, markov, dflash_static, xpress_static, dflash_hf, prompt_lookup; ar is "
         "always run (the reference). For a diffusion LM (--target): steps, threshold, spiffy, spiffy_threshold, "
@@ -240,6 +243,8 @@ def _question(dataset: str, row: dict) -> str:
     return row["turns"][0]  # mt_bench
 
 
+# transformers' own assisted decoding, which reports no statistics: the bench counts its target forwards
+_TRANSFORMERS_ASSISTED = ("dflash_hf", "prompt_lookup")
 METHODS = ("ar", "ar_static", "dflash", "xpress", "markov", "dflash_static", "xpress_static", "dflash_hf",
            "prompt_lookup")
 
@@ -399,6 +404,8 @@ def check_bench_config(config: BenchConfig, methods: tuple[str, ...]) -> None:
     unknown = [m for m in config.methods if m not in methods]
     if unknown:
         raise ValueError(f"Unknown methods {unknown}; choose from {', '.join(methods)}.")
+    if config.prompts and list(config.datasets) != BenchConfig().datasets:
+        raise ValueError(f"--prompts {config.prompts} replaces --datasets {list(config.datasets)}: give one of them.")
     for option, values in (("methods", config.methods), ("datasets", config.datasets),
                            ("batch-size", config.batch_size), ("jacobi-passes", config.jacobi_passes)):
         repeated = sorted({v for v in values if list(values).count(v) > 1})
@@ -498,6 +505,9 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
         out, seconds = timed_generate(target, **inputs, **common, **extra, streamer=timer)
         return out, seconds, timer
 
+    def count_forwards(module, args, kwargs, output):  # transformers' assisted decoding keeps no statistics
+        count_forwards.calls += 1
+
     encoded = [
         (dataset, tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                 return_dict=True).to(config.device))
@@ -516,7 +526,14 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
         reference = None
         for name, kwargs in runs:  # interleaved: every method sees each prompt back to back
             torch.manual_seed(config.seed + index)
-            out, seconds, timer = generate(inputs, kwargs)
+            count_forwards.calls, hook = 0, None
+            if name in _TRANSFORMERS_ASSISTED:
+                hook = target.register_forward_hook(count_forwards, with_kwargs=True)
+            try:
+                out, seconds, timer = generate(inputs, kwargs)
+            finally:
+                if hook is not None:
+                    hook.remove()
             prompt_length = inputs["input_ids"].shape[1]
             record = {"dataset": dataset, "prompt": index, "method": name, "seconds": seconds,
                       "new_tokens": out.sequences.shape[1] - prompt_length, "compiled": compiled[name],
@@ -531,6 +548,8 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
             if getattr(out, "speculation", None) is not None:  # transformers' own methods report no statistics
                 record["stats"] = out.speculation.to_dict()
                 record["accepted_at_position"] = out.speculation.accepted_at_position()
+            elif hook is not None:  # theirs: target forwards counted, the prefill's included
+                record["target_forwards"] = count_forwards.calls
             if not sampling:
                 record.update(_lossless_check(reference, out, prompt_length, config.tie_tolerance, dtype=target.dtype))
             records.append(record)
@@ -658,6 +677,11 @@ def summarize(records: list[dict], runs: list[str]) -> dict:
             entry["accept_rate_by_position"] = [a / o for a, o in zip(accepted, offered) if o]
             entry.update(phase_times(stats))
             entry["target_forwards"] = sum(s["target_forwards"] for s in stats)
+        elif rows and "target_forwards" in rows[0]:  # transformers' assisted decoding: tau from forwards and tokens
+            entry["target_forwards"] = sum(r["target_forwards"] for r in rows)
+            steps = [(r["new_tokens"] - 1, r["target_forwards"] - 1) for r in rows]  # the prefill's token and forward
+            entry["tau"] = sum(t for t, _ in steps) / sum(f for _, f in steps) if any(f for _, f in steps) else None
+            entry["tau_per_sample"] = [t / f if f else None for t, f in steps]
         summary[name] = entry
     for entry in summary.values():
         entry["speedup_vs_ar"] = entry["tokens_per_s"] / ar_speed if ar_speed else None
@@ -736,13 +760,22 @@ def _prompt_source(result: dict) -> str:
     if config.get("prompts"):
         count = result["summary"][result["runs"][0]]["prompts"]
         return f"{count} prompt{'s' * (count != 1)} from {config['prompts']}"
-    limit = config["limit"]
-    return f"datasets {config['datasets']}, " + (f"{limit} prompt{'s' * (limit != 1)} each" if limit else "all prompts")
+    limit, first = config["limit"], result["runs"][0]
+    counts = {dataset: summary[first]["prompts"] for dataset, summary in result.get("by_dataset", {}).items()}
+    if limit and all(count == limit for count in counts.values()):
+        return f"datasets {config['datasets']}, {limit} prompt{'s' * (limit != 1)} each"
+    # a set holding fewer prompts than --limit (or --limit 0: all of them): say how many each gave
+    return f"datasets {config['datasets']}, prompts " + ", ".join(f"{d}: {n}" for d, n in counts.items())
 
 
 def _drafts_per_block(result: dict) -> str:
+    """The footer's note on drafting, where a method that drafts ran."""
+    runs = result["runs"]
+    if not any(name.startswith(("dflash", "xpress", "markov")) for name in runs):
+        return ""
     drafts, vocab = result["config"].get("num_draft_tokens"), result["environment"].get("draft_vocab_size")
-    return ("" if drafts is None else f", {drafts} drafts per block (--num-draft-tokens)") + \
+    native = "; dflash_hf, transformers' loop, drafts whole blocks" if "dflash_hf" in runs else ""
+    return ("" if drafts is None else f", {drafts} drafts per block (--num-draft-tokens{native})") + \
         ("" if vocab is None else f", drafts read out over a draft vocabulary of {vocab:,} tokens")
 
 
@@ -865,7 +898,7 @@ def plot_results(result: dict, folder: str | Path) -> list[Path]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     methods = [m for m in result["runs"] if m != "ar"]
-    with_stats = [m for m in methods if "tau" in result["summary"][m]]
+    with_stats = [m for m in methods if "accept_rate_by_position" in result["summary"][m]]  # our loop's methods
     datasets = list(result["by_dataset"])
     written = []
 

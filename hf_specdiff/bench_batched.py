@@ -214,7 +214,8 @@ def batch_markdown_table(result: dict) -> str:
                          f"{verdict} |")
     env, config = result["environment"], result["config"]
     used = ", ".join(f"{size}: {summary['ar']['prompts']}" for size, summary in result["curve"].items())
-    source = config["prompts"] or f"datasets {config['datasets']}, {config['limit']} each"
+    source = config["prompts"] or f"datasets {config['datasets']}, " + (
+        f"at most {config['limit']} each" if config["limit"] else "all prompts")
     smallest = min(result["batch_sizes"])  # it decoded the most prompts
     mix = Counter(row["dataset"] for record in result["records"] if (record["batch_size"], record["method"]) ==
                   (smallest, "ar") for row in record["rows"])

@@ -10,7 +10,8 @@ Methods, interleaved prompt by prompt (warm-up excluded):
 
 Per method: mean NFE per prompt, NFE reduction versus `steps`, tokens/s and speedup versus `steps`, accuracy
 (GSM8K: the last number against the reference answer; MATH-500: the last \\boxed{} against the reference; code sets:
-whether the answer's code parses), and for Spiffy `lossless_mismatches` against the method it speeds up (0 in the
+whether the answer's code parses), and for Spiffy `lossless_mismatches` against the method it speeds up (which is
+measured too, before it on each prompt, whether `--methods` lists it or not; 0 in the
 exact modes: block-causal models, dual cache) with `unexplained_mismatches`, those not explained by a floating-point
 near-tie in the block where they diverge (`first_divergence_gap`, beyond the model dtype's rounding, within
 `--tie-tolerance`).
@@ -34,6 +35,19 @@ import torch
 
 DIFFUSION_METHODS = ("steps", "threshold", "spiffy", "spiffy_threshold", "ar_base")
 BASELINE_OF = {"spiffy": "steps", "spiffy_threshold": "threshold"}
+
+
+def measured_methods(methods) -> list[str]:
+    """`methods` in order, each Spiffy method's baseline (`BASELINE_OF`) moved or added before it: its losslessness
+    is checked against the baseline's output on the same prompt, which must exist by then."""
+    ordered = []
+    for method in methods:
+        baseline = BASELINE_OF.get(method)
+        if baseline is not None and baseline not in ordered:
+            ordered.append(baseline)
+        if method not in ordered:
+            ordered.append(method)
+    return ordered
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -101,7 +115,7 @@ def _decoding_configs(config) -> dict:
                   remasking=config.remasking, temperature=config.temperature, cache=config.cache,
                   max_drafts=config.max_drafts, seed=config.seed)
     configs = {}
-    for method in config.methods:
+    for method in measured_methods(config.methods):
         if method not in DIFFUSION_METHODS:
             raise ValueError(f"Unknown diffusion method {method!r}; choose from {DIFFUSION_METHODS}.")
         if method == "ar_base":
@@ -170,7 +184,7 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
         for dataset, row in rows
     ]
     eos = tokenizer.eos_token_id
-    methods = list(config.methods)
+    methods = measured_methods(config.methods)
 
     def generate(ids, method):
         synchronize(ids.device)

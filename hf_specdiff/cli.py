@@ -481,6 +481,8 @@ def calibrate(args) -> None:
     if not options.model:
         raise SystemExit("--model is required: a diffusion LM folder or Hub id.")
     check_calibration_options(options.num_nodes, options.max_depth, options.num_token_ranks)
+    if options.prompts and options.datasets != CalibrateConfig().datasets:
+        raise ValueError(f"--prompts {options.prompts} replaces --datasets {options.datasets}: give one of them.")
     dtype = torch_dtype(options.dtype)
     # the prompts first: a wrong dataset, file or limit fails before the model loads
     chats = load_prompts(BenchConfig(datasets=options.datasets, prompts=options.prompts, limit=options.limit,

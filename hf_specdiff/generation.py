@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 import transformers
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache, GenerationConfig, StaticCache
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
@@ -641,11 +641,20 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
                     "native dFlash path)."
                 )
             assistant_model.check_compatible(model, "dflash")  # transformers would fail deep inside, if at all
-            config = kwargs.get("generation_config") or model.generation_config
+            config = _effective_generation_config(model, kwargs)
             if (kwargs.get("num_beams") or config.num_beams or 1) > 1:  # transformers only warns, and decodes greedily
                 raise ValueError("transformers' native dFlash path (speculation_type='dflash') does not do beam "
                                  "search: set num_beams=1, or generate without the speculator.")
             assistant_model = assistant_model.drafter  # transformers' native dFlash path drives the drafter alone
+        else:
+            from .dflash import DFlashDraftModel
+
+            if isinstance(assistant_model, DFlashDraftModel) and kwargs.get("speculation_type") != "dflash":
+                raise ValueError(
+                    "An hf_specdiff drafter (DFlashDraftModel) was passed as `assistant_model` without "
+                    "speculation_type='dflash': add speculation_type='dflash' (transformers' native dFlash path), or "
+                    f"pass the whole speculator with speculation= one of {SPECULATION_METHODS}."
+                )
         return generate(model, *args, assistant_model=assistant_model, **kwargs)
 
     if speculation not in SPECULATION_METHODS:
@@ -680,7 +689,7 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
     _check_position_ids(kwargs)
     # before `generate` starts: it heals tokens (token_healing) and builds the cache (an offloaded one already fails
     # on some machines) before it hands over to the loop
-    generation_config = copy.copy(kwargs.get("generation_config") or model.generation_config)
+    generation_config = _effective_generation_config(model, kwargs)
     for name in (*_UNSUPPORTED_MODES, "top_k", "cache_implementation"):  # kwargs override the config, as in generate
         if name in kwargs:
             setattr(generation_config, name, kwargs[name])
@@ -690,18 +699,15 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
     # Stop strings need the tokenizer, which transformers does not hand to a custom decoding loop: build the
     # criterion here and hand it over with the user's own criteria.
     tokenizer = kwargs.pop("tokenizer", None)
-    stop_strings = kwargs.get("stop_strings")
-    if stop_strings is None and kwargs.get("generation_config") is not None:
-        stop_strings = kwargs["generation_config"].stop_strings
-    if stop_strings is None:
-        stop_strings = model.generation_config.stop_strings
+    stop_strings = kwargs.get("stop_strings", generation_config.stop_strings)
     if stop_strings is not None:
         if tokenizer is None:
             raise ValueError("`stop_strings` needs the tokenizer: pass tokenizer=... to generate.")
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
         criteria.append(StopStringCriteria(tokenizer, stop_strings))
         kwargs["stopping_criteria"] = criteria
-        if "stop_strings" in kwargs or kwargs.get("generation_config") is None:
+        if "stop_strings" in kwargs or kwargs.get("generation_config") is None \
+                or kwargs["generation_config"].stop_strings is None:  # (the last: generate would refill the model's)
             kwargs["stop_strings"] = None
         else:  # cleared in a copy of the config: a keyword beside a config draws transformers' deprecation warning
             kwargs["generation_config"] = copy.copy(kwargs["generation_config"])
@@ -716,6 +722,16 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
         num_draft_tokens=num_draft_tokens,
     )
     return generate(model, *args, custom_generate=loop, **kwargs)
+
+
+def _effective_generation_config(model, kwargs: dict) -> GenerationConfig:
+    """The config `generate` will decode with, before its keyword arguments: a config passed in the call, with what
+    it leaves unset filled from the model's own (as transformers fills it), else a copy of the model's."""
+    passed = kwargs.get("generation_config")
+    config = copy.deepcopy(passed or model.generation_config)
+    if passed is not None:
+        config.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    return config
 
 
 def enable(model):

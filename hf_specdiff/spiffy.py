@@ -159,8 +159,8 @@ class DraftGraph:
                              "holding it.", **hub_kwargs)
         try:
             data = json.loads(Path(file).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ValueError(f"{file} is not valid JSON ({error}); recalibrate the graph.") from error
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:  # the last: nested past Python's
+            raise ValueError(f"{file} is not valid JSON ({error}); recalibrate the graph.") from error  # stack
         return cls.from_dict(data)
 
     def push_to_hub(self, repo_id: str, commit_message: str = "Upload Spiffy draft graph", **kwargs):

@@ -90,8 +90,12 @@ def test_bench_reports_every_method_side_by_side(tmp_path, smollm):
         assert entry["unexplained_mismatches"] == 0
         assert len(entry["tau_per_sample"]) == 2 and entry["tau"] >= 1.0
     assert summary["ar"]["speedup_vs_ar"] == 1.0
-    for name in ("dflash_hf", "prompt_lookup"):  # transformers' own methods: speed and losslessness only
-        assert summary[name]["unexplained_mismatches"] == 0 and summary[name]["tokens_per_s"] > 0
+    for name in ("dflash_hf", "prompt_lookup"):  # transformers' own loops: no phase times; forwards counted by a hook
+        entry = summary[name]
+        assert entry["unexplained_mismatches"] == 0 and entry["tokens_per_s"] > 0
+        assert 2 <= entry["target_forwards"] <= summary["ar"]["new_tokens"], name  # plain: one forward per token
+        steps = entry["target_forwards"] - 2  # tau: the tokens after each prompt's prefill per forward after it
+        assert entry["tau"] == pytest.approx((entry["new_tokens"] - 2) / steps) and len(entry["tau_per_sample"]) == 2
     table = (tmp_path / "out.md").read_text()
     assert "| custom | xpress_k4 |" in table and "| custom | ar_static | 1.00 |" in table
     assert "prefill ms | decode tokens/s" in table
@@ -111,7 +115,7 @@ def test_environment_names_the_speculator_and_its_draft_vocabulary(tmp_path, smo
     loaded = hf_specdiff.AutoSpeculator.from_pretrained(tmp_path / "speculator")
     env = _environment(target, BenchConfig(device="cpu"), loaded)
     assert env["speculator"] == str(tmp_path / "speculator") and env["draft_vocab_size"] == 1000
-    footer = _drafts_per_block({"config": {"num_draft_tokens": 3}, "environment": env})
+    footer = _drafts_per_block({"config": {"num_draft_tokens": 3}, "environment": env, "runs": ["ar", "xpress"]})
     assert footer == ", 3 drafts per block (--num-draft-tokens), drafts read out over a draft vocabulary of 1,000 tokens"
 
 
@@ -197,6 +201,15 @@ def test_markdown_renders_results_of_the_previous_bench_version():
     assert "| all | xpress |" in table and "| - | - |" in table and "; set:" not in table
     result["environment"]["speed_settings"] = {"OMP_NUM_THREADS": "2"}  # the footer names a setting a run had
     assert "max_new_tokens 96; set: OMP_NUM_THREADS=2." in markdown_table(result)
+    assert "datasets ['gsm8k', 'humaneval', 'mt_bench'], 4 prompts each, max_new_tokens" in table
+    result["config"]["limit"] = 100  # more than a set holds, or 0 (all): the footer says how many each gave
+    assert "datasets ['gsm8k', 'humaneval', 'mt_bench'], prompts gsm8k: 4, humaneval: 4, mt_bench: 4, max" in \
+        markdown_table(result)
+    result["config"]["num_draft_tokens"], result["environment"]["draft_vocab_size"] = 3, 8192
+    assert "3 drafts per block (--num-draft-tokens), drafts read out over a draft vocabulary of 8,192" in \
+        markdown_table(result)
+    result["runs"] = ["ar"]  # no method drafted: no note on drafting
+    assert "drafts" not in markdown_table(result)
 
 
 def test_benchmark_sets_load_in_seeded_order():
@@ -247,6 +260,8 @@ def test_bad_bench_inputs(tmp_path):
         "--max-new-tokens must be >= 1, got 0": dict(max_new_tokens=0),
         r"--jacobi-passes must each be >= 1, got \[0, 4\]": dict(jacobi_passes=[0, 4]),
         "--device 'gpu' is not a torch device": dict(device="gpu"),
+        r"--prompts .*prompts.jsonl replaces --datasets \['humaneval'\]: give one": dict(prompts=str(good),
+                                                                                   datasets=["humaneval"]),
         # the run's results would be lost at its end
         f"--json {tmp_path}/bad.jsonl/x.json: cannot write there": dict(json=str(tmp_path / "bad.jsonl" / "x.json")),
         f"--markdown {tmp_path}: a folder is there": dict(markdown=str(tmp_path)),
@@ -360,6 +375,10 @@ def test_sampled_batch_curve_checks_each_row_by_log_probability(tmp_path, smollm
     from hf_specdiff.bench_batched import batch_markdown_table
 
     assert "Sampled at temperature 0.8" in batch_markdown_table(result) and "test over rows" in batch_markdown_table(result)
+    result["config"].update(prompts=None, datasets=["gsm8k"])  # the footer's source, as a run from the sets shows it
+    assert "prompts from datasets ['gsm8k'], all prompts, left-padded" in batch_markdown_table(result)  # --limit 0
+    result["config"]["limit"] = 10  # a set may hold fewer
+    assert "prompts from datasets ['gsm8k'], at most 10 each, left-padded" in batch_markdown_table(result)
 
 
 def test_batch_curve_refuses_what_it_cannot_measure(tmp_path, smollm):

@@ -22,12 +22,13 @@ def test_diffusion_bench_end_to_end(tmp_path):
     main(["calibrate", "--model", str(tmp_path / "dlm"), "--output", str(tmp_path / "dlm"), "--limit", "2",
           "--max-new-tokens", "16", "--block-length", "8", "--cache", "dual", "--num-nodes", "8"])
     main(["bench", "--target", str(tmp_path / "dlm"), "--datasets", "gsm8k", "mbpp", "--limit", "2",
-          "--methods", "steps", "threshold", "spiffy", "spiffy_threshold", "ar_base", "--max-new-tokens", "16",
+          # listed after its Spiffy method, or not at all, a baseline still runs before it: the lossless check needs it
+          "--methods", "spiffy_threshold", "threshold", "spiffy", "ar_base", "--max-new-tokens", "16",
           "--block-length", "8", "--threshold", "0.05", "--base", str(tmp_path / "base"), "--json", str(tmp_path / "out.json"),
           "--markdown", str(tmp_path / "out.md"), "--plots", str(tmp_path / "plots")])
     result = json.loads((tmp_path / "out.json").read_text())
     summary = result["summary"]
-    assert result["runs"] == ["steps", "threshold", "spiffy", "spiffy_threshold", "ar_base"]
+    assert result["runs"] == ["threshold", "spiffy_threshold", "steps", "spiffy", "ar_base"]
     assert summary["steps"]["nfe"] == 16 and summary["steps"]["nfe_reduction_vs_steps"] == 1.0
     for name, entry in summary.items():  # coherence measures for every method, the AR base's too
         assert 0 <= entry["finished_rate"] <= 1 and 0 <= entry["repetition"] <= 1, name

@@ -156,6 +156,8 @@ def test_calibrate_reads_its_prompts_before_loading_the_model(tmp_path):
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "Hi"}\n{"prompt": 3}\n')
     with pytest.raises(ValueError, match="prompts.jsonl:2"):
         main(missing_model + ["--prompts", str(tmp_path / "prompts.jsonl")])
+    with pytest.raises(ValueError, match="--prompts .*prompts.jsonl replaces --datasets \\['gsm8k'\\]: give one"):
+        main(missing_model + ["--prompts", str(tmp_path / "prompts.jsonl"), "--datasets", "gsm8k"])
     with pytest.raises(ValueError, match="--dtype 'fp16' is not a torch dtype; use float32, bfloat16 or float16"):
         main(missing_model + ["--dtype", "fp16"])
     with pytest.raises(ValueError, match="num_nodes must be an integer >= 1, got 0"):

@@ -74,6 +74,12 @@ def test_unsupported_generate_arguments(target, speculator, kwargs, message):
         generate(target, speculator, **kwargs)
 
 
+def test_a_bare_drafter_as_assistant_model_needs_transformers_native_path(target, speculator):
+    """transformers would take the drafter for an assistant model and fail inside (it has no generation_config)."""
+    with pytest.raises(ValueError, match="drafter \\(DFlashDraftModel\\).*without speculation_type='dflash'"):
+        target.generate(PROMPT, assistant_model=speculator.drafter, max_new_tokens=5)
+
+
 def test_stateful_processors_passed_by_the_user_are_refused(target, speculator):
     from transformers import LogitsProcessorList, SynthIDTextWatermarkLogitsProcessor
 

@@ -333,6 +333,22 @@ def test_generate_arguments_passed_by_position_act_as_passed_by_keyword():
     with pytest.raises(TypeError, match="multiple values for argument 'generation_config'"):
         target.generate(prompt, config, generation_config=config, **spec)
 
+    # a config passed in the call leaves what it does not set to the model's own (transformers fills it from there):
+    # stop strings set on the model are honoured, assisted decoding's options and token healing set there refused
+    target.generation_config.stop_strings = ["mno"]
+    passed = GenerationConfig(do_sample=False, max_new_tokens=12)
+    plain = target.generate(prompt, generation_config=passed, tokenizer=tokenizer)
+    assert plain[0, 3:].tolist() == [22, 23, 24]
+    assert torch.equal(target.generate(prompt, generation_config=passed, tokenizer=tokenizer, **spec), plain)
+    target.generation_config.stop_strings = None
+    for option, value, message in (("prompt_lookup_num_tokens", 3, "remove `prompt_lookup_num_tokens`"),
+                                   ("assistant_confidence_threshold", 0.3, "remove `assistant_confidence_threshold`"),
+                                   ("token_healing", True, "does not support token healing")):
+        setattr(target.generation_config, option, value)
+        with pytest.raises(ValueError, match=message):
+            target.generate(prompt, generation_config=passed, tokenizer=tokenizer, **spec)
+        setattr(target.generation_config, option, GenerationConfig().to_dict()[option])
+
     class Forwarding(type(target)):  # a model class overriding generate(self, *args, **kwargs): names unknown
         def generate(self, *args, **kwargs):
             return super().generate(*args, **kwargs)

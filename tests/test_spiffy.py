@@ -170,6 +170,11 @@ def test_sampling_is_seeded_per_step():
     first, again = (diffusion_generate(model, prompt, config=cfg).sequences for _ in range(2))
     other = diffusion_generate(model, prompt, config=config(temperature=1.0, seed=4)).sequences
     assert torch.equal(first, again) and not torch.equal(first, other)
+    # seeds that Python's tuple hash maps alike (hash(-1) == hash(-2), hash(2**61 - 1) == hash(0)) sample apart
+    for a, b in ((-1, -2), (0, 2**61 - 1)):
+        sampled = [diffusion_generate(model, prompt, config=config(temperature=1.0, seed=seed)).sequences
+                   for seed in (a, b)]
+        assert not torch.equal(*sampled), (a, b)
 
 
 def test_calibrated_graph_is_connected_and_round_trips(tmp_path):
@@ -246,6 +251,9 @@ def test_graph_errors(tmp_path):
     (tmp_path / "spiffy_graph.json").write_bytes(b"\xff\xfe")
     with pytest.raises(ValueError, match="not valid JSON"):
         DraftGraph.from_pretrained(tmp_path)
+    (tmp_path / "spiffy_graph.json").write_text("[" * 100_000)  # nested past Python's stack
+    with pytest.raises(ValueError, match="not valid JSON"):
+        DraftGraph.from_pretrained(tmp_path)
     with pytest.raises(OSError):
         DraftGraph.from_pretrained(tmp_path / "nowhere")
 
@@ -266,6 +274,11 @@ def test_generate_integration_and_errors(tmp_path):
         model.generate(prompt, speculation="spiffy", **options)
     with pytest.raises(ValueError, match="add speculation='spiffy'"):
         model.generate(prompt, draft_graph=str(tmp_path), **options)
+    with pytest.raises(ValueError, match="max_drafts= is used by speculation='spiffy' only"):  # not silently unused
+        model.generate(prompt, **{**options, "max_drafts": 3})
+    for graph_argument in (DraftGraph.from_pretrained(tmp_path).to_dict(), 7):
+        with pytest.raises(TypeError, match="draft_graph= takes a DraftGraph or a folder / Hub id"):
+            model.generate(prompt, speculation="spiffy", draft_graph=graph_argument, **options)
     with pytest.raises(ValueError, match="do_sample=False contradicts"):
         model.generate(prompt, do_sample=False, temperature=0.5, **options)
     with pytest.raises(ValueError, match="multiple of block_length"):
@@ -472,6 +485,10 @@ def test_bad_decoding_inputs_are_refused():
         (dict(config=config(seed=1.5)), TypeError, "seed must be an integer"),
         (dict(config=config(temperature=float("nan"))), ValueError, "temperature must be a finite number"),
         (dict(eos_token_id=[]), ValueError, "eos_token_id is an empty list"),
+        (dict(eos_token_id="x"), TypeError, "eos_token_id must be a token id or a list of them, got 'x'"),
+        (dict(config=config(temperature="0.5")), TypeError, "temperature must be a number, got '0.5'"),
+        (dict(config=config(threshold="0.9")), TypeError, "threshold must be a number, got '0.9'"),
+        (dict(config=config(stop_at_eos="no")), TypeError, "stop_at_eos must be True or False, got 'no'"),
         (dict(input_ids=prompt.tolist()), TypeError, "input_ids must be a tensor"),
     ]
     for kwargs, error, message in refused:

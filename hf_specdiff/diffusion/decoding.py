@@ -30,7 +30,9 @@ ordinary decoding's in the same mode, exactly when drafts see nothing that depen
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -70,6 +72,13 @@ class DiffusionGenerationConfig:
             value = getattr(self, name)
             if not (value is None and name == "steps") and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"{name} must be an integer, got {value!r}.")
+        for name in ("temperature", "threshold"):
+            value = getattr(self, name)
+            if not (value is None and name == "threshold") and (isinstance(value, bool) or
+                                                                not isinstance(value, (int, float))):
+                raise TypeError(f"{name} must be a number, got {value!r}.")
+        if not isinstance(self.stop_at_eos, bool):
+            raise TypeError(f"stop_at_eos must be True or False, got {self.stop_at_eos!r}.")
         if self.block_length < 1 or self.max_new_tokens < 1 or self.max_new_tokens % self.block_length:
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} must be a positive multiple of block_length="
@@ -180,7 +189,10 @@ class Unmasker:
 
     def _noise(self, shape, row: int, step: int, device) -> torch.Tensor:
         generator = torch.Generator(device=device)
-        generator.manual_seed(hash((self.config.seed, row, self.block, step)) % (2**63))
+        # a stable mix of the four: Python's hash of a tuple of ints collides (hash(-1) == hash(-2)), which gave two
+        # seeds the same samples and the random rule's steps 0 and 1 (seeded -1 - t) the same noise
+        key = f"{self.config.seed},{row},{self.block},{step}".encode()
+        generator.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1)
         return torch.rand(shape, generator=generator, device=device, dtype=torch.float64)
 
     def __call__(self, state: torch.LongTensor, logits: torch.Tensor, step: torch.LongTensor) -> torch.LongTensor:
@@ -470,7 +482,9 @@ def _eos_ids(model, eos_token_id, device):
     ids = eos_token_id if eos_token_id is not None else getattr(model.config, "eos_token_id", None)
     if ids is None:
         return None
-    ids = [ids] if isinstance(ids, int) else list(ids)
+    ids = [ids] if isinstance(ids, int) else list(ids) if isinstance(ids, (list, tuple)) else ids
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise TypeError(f"eos_token_id must be a token id or a list of them, got {eos_token_id!r}.")
     if not ids:
         raise ValueError("eos_token_id is an empty list: give at least one id, or None (no EOS: decode every block).")
     return torch.tensor(ids, device=device)
@@ -527,7 +541,13 @@ def diffusion_lm_generate(model, input_ids=None, attention_mask=None, *, specula
         if draft_graph is None:
             raise ValueError("speculation='spiffy' needs draft_graph= (a DraftGraph, or a folder / Hub id holding "
                              "spiffy_graph.json; make one with `hf-specdiff calibrate`).")
+        if isinstance(draft_graph, dict):
+            raise TypeError("draft_graph= takes a DraftGraph or a folder / Hub id; for a dict (DraftGraph.to_dict's) "
+                            "pass DraftGraph.from_dict(it).")
         if not isinstance(draft_graph, DraftGraph):
+            if not isinstance(draft_graph, (str, os.PathLike)):
+                raise TypeError(f"draft_graph= takes a DraftGraph or a folder / Hub id, got "
+                                f"{type(draft_graph).__name__}.")
             draft_graph = DraftGraph.from_pretrained(draft_graph)
         if not config.is_exact_for(model):
             warnings.warn(
@@ -536,8 +556,9 @@ def diffusion_lm_generate(model, input_ids=None, attention_mask=None, *, specula
                 "(out.exact is False). Use cache='dual' for output identical to ordinary dual-cache decoding.",
                 stacklevel=2,
             )
-    elif draft_graph is not None:
-        raise ValueError("draft_graph= is used by speculation='spiffy' only; add speculation='spiffy' or drop it.")
+    elif draft_graph is not None or "max_drafts" in options:
+        option = "draft_graph=" if draft_graph is not None else "max_drafts="
+        raise ValueError(f"{option} is used by speculation='spiffy' only; add speculation='spiffy' or drop it.")
     output = diffusion_generate(model, input_ids, attention_mask, config, draft_graph, eos_token_id,
                                 streamer=streamer)
     return output if return_dict_in_generate else output.sequences
