@@ -277,7 +277,7 @@ def test_generate_integration_and_errors(tmp_path):
     with pytest.raises(ValueError, match="max_drafts= is used by speculation='spiffy' only"):  # not silently unused
         model.generate(prompt, **{**options, "max_drafts": 3})
     for graph_argument in (DraftGraph.from_pretrained(tmp_path).to_dict(), 7):
-        with pytest.raises(TypeError, match="draft_graph= takes a DraftGraph or a folder / Hub id"):
+        with pytest.raises(TypeError, match="draft_graph= takes a DraftGraph or a folder / Hub id, got (dict .a|int)"):
             model.generate(prompt, speculation="spiffy", draft_graph=graph_argument, **options)
     with pytest.raises(ValueError, match="do_sample=False contradicts"):
         model.generate(prompt, do_sample=False, temperature=0.5, **options)
@@ -486,6 +486,7 @@ def test_bad_decoding_inputs_are_refused():
         (dict(config=config(temperature=float("nan"))), ValueError, "temperature must be a finite number"),
         (dict(eos_token_id=[]), ValueError, "eos_token_id is an empty list"),
         (dict(eos_token_id="x"), TypeError, "eos_token_id must be a token id or a list of them, got 'x'"),
+        (dict(eos_token_id=[3, 2.0]), TypeError, "eos_token_id must be a token id or a list of them"),
         (dict(config=config(temperature="0.5")), TypeError, "temperature must be a number, got '0.5'"),
         (dict(config=config(threshold="0.9")), TypeError, "threshold must be a number, got '0.9'"),
         (dict(config=config(stop_at_eos="no")), TypeError, "stop_at_eos must be True or False, got 'no'"),

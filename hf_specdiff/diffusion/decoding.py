@@ -482,8 +482,10 @@ def _eos_ids(model, eos_token_id, device):
     ids = eos_token_id if eos_token_id is not None else getattr(model.config, "eos_token_id", None)
     if ids is None:
         return None
-    ids = [ids] if isinstance(ids, int) else list(ids) if isinstance(ids, (list, tuple)) else ids
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if isinstance(ids, torch.Tensor):
+        ids = ids.flatten().tolist()
+    ids = [ids] if isinstance(ids, int) else ids
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise TypeError(f"eos_token_id must be a token id or a list of them, got {eos_token_id!r}.")
     if not ids:
         raise ValueError("eos_token_id is an empty list: give at least one id, or None (no EOS: decode every block).")
@@ -541,13 +543,13 @@ def diffusion_lm_generate(model, input_ids=None, attention_mask=None, *, specula
         if draft_graph is None:
             raise ValueError("speculation='spiffy' needs draft_graph= (a DraftGraph, or a folder / Hub id holding "
                              "spiffy_graph.json; make one with `hf-specdiff calibrate`).")
-        if isinstance(draft_graph, dict):
-            raise TypeError("draft_graph= takes a DraftGraph or a folder / Hub id; for a dict (DraftGraph.to_dict's) "
-                            "pass DraftGraph.from_dict(it).")
+        if not isinstance(draft_graph, (DraftGraph, str, os.PathLike)):
+            hint = ""
+            if isinstance(draft_graph, dict):
+                hint = " (a dict from DraftGraph.to_dict: pass DraftGraph.from_dict(it))"
+            raise TypeError(f"draft_graph= takes a DraftGraph or a folder / Hub id, got {type(draft_graph).__name__}"
+                            f"{hint}.")
         if not isinstance(draft_graph, DraftGraph):
-            if not isinstance(draft_graph, (str, os.PathLike)):
-                raise TypeError(f"draft_graph= takes a DraftGraph or a folder / Hub id, got "
-                                f"{type(draft_graph).__name__}.")
             draft_graph = DraftGraph.from_pretrained(draft_graph)
         if not config.is_exact_for(model):
             warnings.warn(
