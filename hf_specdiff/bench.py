@@ -505,8 +505,11 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
         out, seconds = timed_generate(target, **inputs, **common, **extra, streamer=timer)
         return out, seconds, timer
 
-    def count_forwards(module, args, kwargs, output):  # transformers' assisted decoding keeps no statistics
-        count_forwards.calls += 1
+    forwards = 0  # of the target, in a call of transformers' assisted decoding (which keeps no statistics)
+
+    def count_forward(*_):
+        nonlocal forwards
+        forwards += 1
 
     encoded = [
         (dataset, tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
@@ -526,9 +529,9 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
         reference = None
         for name, kwargs in runs:  # interleaved: every method sees each prompt back to back
             torch.manual_seed(config.seed + index)
-            count_forwards.calls, hook = 0, None
+            forwards, hook = 0, None
             if name in _TRANSFORMERS_ASSISTED:
-                hook = target.register_forward_hook(count_forwards, with_kwargs=True)
+                hook = target.register_forward_hook(count_forward)
             try:
                 out, seconds, timer = generate(inputs, kwargs)
             finally:
@@ -549,7 +552,7 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
                 record["stats"] = out.speculation.to_dict()
                 record["accepted_at_position"] = out.speculation.accepted_at_position()
             elif hook is not None:  # theirs: target forwards counted, the prefill's included
-                record["target_forwards"] = count_forwards.calls
+                record["target_forwards"] = forwards
             if not sampling:
                 record.update(_lossless_check(reference, out, prompt_length, config.tie_tolerance, dtype=target.dtype))
             records.append(record)
