@@ -42,7 +42,12 @@ registry of this project's machines has no such `kernels`, so 5.25 was tested in
   5.25 counts the layer's tokens in a 0-d `cumulative_length_linear`, which `get_seq_length()` reads when layer 0 is
   such a layer (5.17 / 5.24 read the first attention layer's length).
 - `DynamicCache.layers[i]` holds `keys` / `values` tensors (batch, kv_heads, slots, head_dim) in both (a layer not
-  filled yet has none); batched speculation gathers slots per row there (`gather_cache_slots`).
+  filled yet has none); batched speculation gathers slots per row there (`gather_cache_slots`). A `StaticLayer`
+  allocates its tensors (batch, kv_heads, max_cache_len, head_dim) at its first write, with that write's batch size,
+  which `reset()` keeps (all three versions): a kept static cache suits only a call with the same batch size.
+- A 2D attention mask shorter than a static cache is padded with zeros (masked) to its length
+  (`masking_utils.prepare_padding_mask`, all three versions); the static batched loop passes one of the cache's
+  length, so that every verify forward's mask has one shape.
 - The native dFlash candidate generator reads `hidden_states[i]` for each of the drafter's `target_layer_ids` in
   5.17 and `hidden_states[i + 1]` in 5.24 (index 0 is the embeddings; z-lab's convention is i + 1).
 - `GenerationMixin._valid_auto_compile_criteria(model_kwargs, generation_config)` decides whether `generate`
@@ -217,7 +222,9 @@ def select_cache_rows(cache, index) -> None:
 
 
 def gather_cache_slots(cache, index) -> None:
-    """Keep, for each row r, the cache slots `index[r]` (b, n), in that order, in every layer of a dynamic cache."""
+    """Keep, for each row r, the cache slots `index[r]` (b, n), in that order, in every layer of a dynamic or static
+    cache. A static layer's slots are rewritten in place (its tensors keep their addresses, which compiled forwards
+    under CUDA graphs read) and its length becomes n."""
     for layer in cache.layers:
         if hasattr(layer, "cumulative_length_linear"):  # a state layer's token count (5.25), the cache's length
             layer.cumulative_length_linear.fill_(index.shape[1])
@@ -225,6 +232,12 @@ def gather_cache_slots(cache, index) -> None:
         if keys is None or keys.numel() == 0:
             continue
         slots = index.to(keys.device)[:, None, :, None]  # broadcast over heads and head_dim
+        if isinstance(layer, StaticLayer):
+            width = index.shape[1]
+            layer.keys[:, :, :width] = keys.take_along_dim(slots, dim=2)
+            layer.values[:, :, :width] = layer.values.take_along_dim(slots, dim=2)
+            layer.cumulative_length.fill_(width)
+            continue
         layer.keys = keys.take_along_dim(slots, dim=2)
         layer.values = layer.values.take_along_dim(slots, dim=2)
 
@@ -291,18 +304,18 @@ def new_static_cache(config, max_cache_len: int) -> StaticCache:
 _reused_static_caches = threading.local()
 
 
-def reused_static_cache(owner, config, max_cache_len: int) -> StaticCache:
+def reused_static_cache(owner, config, max_cache_len: int, batch_size: int = 1) -> StaticCache:
     """An empty static cache for `owner`'s forward (the target or the drafter): the one this thread's previous call
     used, reset, where it suits this call, else a new one. A compiled forward under CUDA graphs reads the cache at
     fixed addresses: a new cache per call would re-record its graphs every call. Kept here, not on the model: nothing
     is parked on the user's objects.
 
-    A cache suits a call made with the same length and device, the same dtype of keys and values (the model's, or
+    A cache suits a call made with the same batch size, length and device, the same dtype of keys and values (the model's, or
     autocast's where autocast is on: the cache's tensors take the dtype of the first keys written), and the same
     inference mode (tensors made under `torch.inference_mode()` cannot be written outside it)."""
     device_type = owner.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else owner.dtype
-    made_for = (max_cache_len, dtype, owner.device, torch.is_inference_mode_enabled())
+    made_for = (batch_size, max_cache_len, dtype, owner.device, torch.is_inference_mode_enabled())
     if not hasattr(_reused_static_caches, "by_owner"):
         _reused_static_caches.by_owner = weakref.WeakKeyDictionary()
     kept = _reused_static_caches.by_owner.get(owner)

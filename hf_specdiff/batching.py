@@ -14,6 +14,10 @@ chosen because nothing is ever recomputed and every verify forward stays one blo
   compacted: each row's kept slots are gathered to the right, in order, left-padded to the longest row.
 - A finished row leaves the batch: its cache rows, hidden states and state are index-selected away, so it costs
   nothing more. Its output is padded as plain batched `generate` pads finished rows.
+  With a static cache (`keep_finished_rows`) a finished row stays in the batch, as in plain static `generate`: every
+  forward keeps its shapes, so that compiled forwards (CUDA graphs on a GPU) are captured once per call shape rather
+  than once per number of rows left. It is fed its last token again, keeps none of its slots (they are holes) and
+  emits nothing.
 - Layers keeping a state instead of K/V (linear attention, state-space mixers, short convolutions: Qwen3.5, Bamba,
   LFM2, ...) have no slots, so nothing to mask: each row's state is put back to what it was after the row's own last
   kept token (`_compat.roll_back_rows`, from the per-token states transformers records).
@@ -103,7 +107,8 @@ class RowBatch:
 
     `tokens` (b, W): row i is its padded prompt followed by its generated tokens, up to `lengths[i]` (filler past
     it), i.e. exactly what plain `generate`'s `input_ids` row would hold after as many tokens. `rows[i]` is the
-    original batch row of row i. Finished rows leave; `sequences()` puts them back in order.
+    original batch row of row i. Finished rows leave (with `keep_finished_rows` they stay, emitting nothing);
+    `sequences()` puts them back in order.
 
     When a row ends follows plain `generate`: with an EOS criterion (`pad_after_stop`), at its own first stop (the
     rest is padding); without one, plain `generate` keeps every row going until all have stopped once, so each row
@@ -112,12 +117,14 @@ class RowBatch:
 
     def __init__(self, input_ids: torch.LongTensor, attention_mask, generation_config, pad_after_stop: bool,
                  attention_windows: dict[str, int | AttentionChunks | None | bool] | None = None,
-                 mask_dtype: torch.dtype = torch.float32, compact_every_step: bool = False):
+                 mask_dtype: torch.dtype = torch.float32, compact_every_step: bool = False,
+                 keep_finished_rows: bool = False):
         batch, width = input_ids.shape
         # {mask key: its window or chunks, None for full attention, False for none} when the target has windowed layers
         self.attention_windows, self.mask_dtype = attention_windows, mask_dtype
         # a target whose attention counts distances in cache slots rather than position ids needs a cache without holes
         self.compact_every_step = compact_every_step
+        self.keep_finished_rows = keep_finished_rows  # static caches: finished rows stay, emitting nothing
         self.batch_size, self.prompt_width = batch, width
         self.max_new_tokens = generation_config.max_length - width
         self.pad_after_stop = pad_after_stop
@@ -182,6 +189,8 @@ class RowBatch:
         whose output is complete and mark them finished. Returns the tokens each row keeps from this step."""
         kept = list(emitted)
         for i, (row, stop) in enumerate(zip(self.rows, stops)):
+            if row in self.finished:  # a finished row kept in the batch (`keep_finished_rows`) emitted nothing
+                continue
             generated = self.lengths[i] - self.prompt_width
             if stop is not None and row not in self.stopped_at:
                 self.stopped_at[row] = generated - emitted[i] + stop + 1
@@ -217,6 +226,10 @@ class RowBatch:
     def all_finished(self) -> bool:
         return len(self.finished) == self.batch_size
 
+    def active(self) -> list[int]:
+        """Indices of the rows still decoding (with `keep_finished_rows`, finished rows stay among `rows`)."""
+        return [i for i, row in enumerate(self.rows) if row not in self.finished]
+
     # -- cache layout -----------------------------------------------------------------------------------------------
 
     def context_mask(self) -> torch.Tensor | None:
@@ -228,14 +241,19 @@ class RowBatch:
 
     def roll_back(self, cache, drafter, outputs, num_fed: int, kept: list[int] | None):
         """After a verify forward of `num_fed` tokens per row: finished rows leave the batch (both caches, the hidden
-        states the drafter reads next, all per-row state); the target cache keeps `kept[i]` of row i's fed slots
-        (None: the prompt, all of them). Slots no row kept are cropped, the rest of the rejected ones masked.
+        states the drafter reads next, all per-row state; with `keep_finished_rows` they stay and keep no slot); the
+        target cache keeps `kept[i]` of row i's fed slots (None: the prompt, all of them). Slots no row kept are cropped, the rest of the rejected ones masked.
         Returns `outputs` with its hidden states reduced to the remaining rows."""
         if kept is None:  # the prefill: the prompt is in the cache, its padding masked
             self.slots = num_fed
             self.cache_mask = self.prompt_mask
             self.valid = [num_fed] * len(self.rows) if self.prompt_mask is None else self.prompt_mask.sum(1).tolist()
-        remaining = [i for i, row in enumerate(self.rows) if row not in self.finished]
+        if self.keep_finished_rows:  # finished rows stay, and keep none of the slots fed to them from now on
+            remaining = list(range(len(self.rows)))
+            if kept is not None:
+                kept = [0 if row in self.finished else k for row, k in zip(self.rows, kept)]
+        else:
+            remaining = self.active()
         if len(remaining) < len(self.rows):
             index = torch.tensor(remaining, device=self.tokens.device)
             _compat.select_cache_rows(cache, index)
@@ -268,10 +286,11 @@ class RowBatch:
         self.valid = [v + k for v, k in zip(self.valid, kept)]
         return outputs
 
-    def compact_if_sparse(self, caches) -> bool:
+    def compact_if_sparse(self, caches, max_slots: int | None = None) -> bool:
         """When more than `COMPACT_WHEN_WASTED` of the slots are holes no row needs, gather each row's slots to the
         right, in order, in every cache (all must hold the same `slots` slots; otherwise wait for the next step).
-        With `compact_every_step`, whenever a row has a hole past its first token.
+        With `compact_every_step`, whenever a row has a hole past its first token; with `max_slots` (static caches,
+        which cannot grow), whenever the caches hold more slots than that.
         A batch of one is never compacted: its only holes are its prompt's padding, which never grow; they stay, so
         the cache handed back lines up with the sequence as plain `generate`'s does, and a static cache keeps its
         size."""
@@ -282,13 +301,15 @@ class RowBatch:
             needed = bool((self.cache_mask[:, 1:] < self.cache_mask[:, :-1]).any())
         else:
             needed = self.slots - width > COMPACT_WHEN_WASTED * self.slots
-        if not needed:
+        must = max_slots is not None and self.slots > max_slots
+        if not (needed or must):
             return False
         if any(c.get_seq_length() != self.slots for c in caches):
-            if self.compact_every_step:
+            if self.compact_every_step or must:
+                reason = "this target cannot take holes in its cache" if self.compact_every_step else "they are full"
                 raise RuntimeError(
-                    "hf_specdiff: the target and drafter caches hold different slots, and this target cannot take holes "
-                    "in its cache. Generate row by row, and please report it."
+                    f"hf_specdiff: the target and drafter caches hold different slots, and {reason}. Generate row by "
+                    "row, and please report it."
                 )
             return False
         order = torch.argsort(self.cache_mask, dim=1, stable=True)[:, self.slots - width :]  # (b, width): holes first

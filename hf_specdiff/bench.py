@@ -74,7 +74,7 @@ class BenchConfig:
     max_new_tokens: int = field(default=128, metadata={"help": "tokens generated per prompt"})
     batch_size: list[int] = field(default_factory=lambda: [1], metadata={"help": (
         "1 measures prompt by prompt (prefill split out, every method); several (e.g. 1 4 16 32 64) measure the "
-        "batch curve of ar, ar_static, dflash, xpress and markov on left-padded batches")})
+        "batch curve of ar, ar_static, dflash, xpress, markov, dflash_static and xpress_static on left-padded batches")})
     temperature: float = field(default=0.0, metadata={"help": (
         "0: greedy, losslessness checked per token; > 0: sampled, checked by a permutation test on log-probabilities")})
     compile: bool | None = field(default=None, metadata={"help": (

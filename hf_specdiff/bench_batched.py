@@ -19,7 +19,8 @@ What bounds the curve: a step verifies b rows x (block + 1) tokens in one forwar
 reading the weights it costs about what a forward of b x 1 tokens costs, and every accepted token is nearly free; as
 b grows the forward becomes bound by compute, the rejected draft slots cost real time, and the speedup over plain
 decoding falls towards what the extra accepted tokens pay for. A second effect works the other way: plain batched
-`generate` keeps computing rows that have stopped until the last one does, while the speculative loop drops them.
+`generate` keeps computing rows that have stopped until the last one does, while the speculative loop drops them
+(except its `_static` runs, which keep them as `ar_static` does, so that every forward keeps its shapes).
 `finished_row_share` (for `ar`) is the share of plain decoding's row-steps spent on such rows, so that the part of a
 speedup that comes from dropping them can be told from the part speculation earns.
 """
@@ -55,7 +56,7 @@ from .bench import (
     timed_generate,
 )
 
-BATCH_METHODS = ("ar", "ar_static", "dflash", "xpress", "markov")
+BATCH_METHODS = ("ar", "ar_static", "dflash", "xpress", "markov", "dflash_static", "xpress_static")
 
 
 def _check_batch_config(config: BenchConfig, num_prompts: int | None = None) -> None:

@@ -298,6 +298,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         static_cache_length: int | None = None,
         compile_config=None,
         num_draft_tokens: int | None = None,
+        batch_size: int = 1,
     ):
         self.drafter = speculator.drafter
         self.refiner = speculator.refiner
@@ -323,17 +324,19 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.stats = stats if stats is not None else SpeculationStats(method)
         self.device = self.drafter.device
         # The drafter's context K/V; never holds block K/V between calls. Static mode (the target decodes with a
-        # static cache, batch 1): a preallocated cache, and every call after the first writes exactly B context
-        # slots (the new ones, then padding that the mask hides and the crop drops), so that the draft step always
-        # sees the same shapes and can be compiled once.
+        # static cache, `batch_size` rows that all stay to the end): a preallocated cache, and every call after the
+        # first writes exactly B context slots (the new ones, then padding that the mask hides and the crop drops),
+        # so that the draft step always sees the same shapes and can be compiled once.
         self.static = static_cache_length is not None
         if self.static:
             self.cache_slots = static_cache_length + 2 * self.block_size  # the target's, plus context padding, a block
-            self.cache = _compat.reused_static_cache(self.drafter, self.drafter.config, self.cache_slots)
+            self.cache = _compat.reused_static_cache(self.drafter, self.drafter.config, self.cache_slots, batch_size)
             self.slot_index = torch.arange(self.cache_slots, device=self.device)
         else:
             self.cache = DynamicCache()
-        self.cached_context = 0  # context slots in the static drafter cache (kept on the host: no sync to read it)
+        # context slots in the static drafter cache, kept on the host (no sync to read it); the caller sets it when it
+        # compacts the cache
+        self.cached_context = 0
         # With a compile config (the target's decoding forward is compiled too), the draft step after the first and
         # the Jacobi refinement (when every logits processor is position-free) run through torch.compile.
         self.draft_step = compiled(draft_block, compile_config) if compile_config is not None else draft_block
@@ -363,7 +366,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         if is_first_iteration:
             return input_ids, None
         batch, width = input_ids.shape
-        lengths = rows.lengths if rows is not None else [width] * batch
+        # rows still decoding (a static batch keeps its finished rows: their drafts are computed, never offered)
+        lengths = [width] * batch if rows is None else [rows.lengths[i] for i in rows.active()]
         num_drafts = min(self.max_drafts, self.max_length - min(lengths) - 1)  # the row with most room left
         if num_drafts <= 0:
             return input_ids, None
@@ -382,7 +386,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         block_ids[:, 0] = last_tokens(input_ids, sequence_lengths, 1)[:, 0]
         if self.static:
             features = self.drafter.context_features(model_outputs.hidden_states, num_new).to(self.device)
-            hidden, drafter_logits = self._draft_static(block_ids, features, context_length, num_new)
+            hidden, drafter_logits = self._draft_static(block_ids, features, context_length, num_new, context_mask)
         else:
             attention_mask = None
             if context_mask is None:
@@ -440,23 +444,33 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         """Keep only these rows of the batch (finished rows leave it)."""
         self.cache.batch_select_indices(index.to(self.device))
 
-    def _draft_static(self, block_ids, features, context_length: int, num_new: int):
-        """The draft step with a static drafter cache (batch 1). The first call writes the whole prompt's context;
-        later calls write B context slots, the `num_new` real ones first: the mask hides the padding, and the crop
-        afterwards drops it with the block's K/V, so the next call overwrites both."""
+    def _draft_static(self, block_ids, features, context_length: int, num_new: int, context_mask):
+        """The draft step with a static drafter cache. The first call writes the whole prompt's context; later calls
+        write B context slots, the `num_new` real ones first: the mask hides the padding, and the crop afterwards
+        drops it with the block's K/V, so the next call overwrites both. `context_mask` (b, S) marks each row's own
+        slots among the S context slots (None: all of them), as in `get_candidates`; positions count a row's own
+        tokens. Positions and mask have the same shapes and layout whatever the holes, so a compiled step is reused."""
+        batch = block_ids.shape[0]
         width = num_new if self.cached_context == 0 else self.block_size  # context slots written by this call
         features = torch.nn.functional.pad(features, (0, 0, 0, width - num_new))
         start = self.cached_context
-        positions = torch.cat([start + torch.arange(width, device=self.device),
-                               context_length + torch.arange(self.block_size, device=self.device)])[None]
+        block = torch.arange(self.block_size, device=self.device)
         slots, block_start = self.slot_index, start + width
-        visible = (slots < context_length) | ((slots >= block_start) & (slots < block_start + self.block_size))
+        in_block = (slots >= block_start) & (slots < block_start + self.block_size)
+        if context_mask is None:  # slot j holds token j of every row
+            positions = torch.cat([start + torch.arange(width, device=self.device), context_length + block])
+            positions, visible = positions.repeat(batch, 1), ((slots < context_length) | in_block).repeat(batch, 1)
+        else:  # a slot's position is the number of the row's tokens before it; the anchor follows the last one
+            seen = context_mask.to(self.device).cumsum(dim=1)  # (b, S)
+            new = torch.nn.functional.pad((seen[:, context_length - num_new :] - 1).clamp(min=0), (0, width - num_new))
+            positions = torch.cat([new, seen[:, -1:] + block], dim=1)
+            own = torch.nn.functional.pad(context_mask.to(self.device).bool(), (0, self.cache_slots - context_length))
+            visible = own | in_block
         # The first call's context width is the prompt's, a shape seen once: it runs eagerly, like the target's prefill.
         step = draft_block if self.cached_context == 0 else self.draft_step
-        with self._layout(block_ids.shape[0]):
-            out = step(self.drafter, self.embed_tokens, self.read_out, block_ids, features,
-                       positions.expand(block_ids.shape[0], -1), visible[None, None, None, :], self.cache,
-                       self.max_drafts)
+        with self._layout(batch):
+            out = step(self.drafter, self.embed_tokens, self.read_out, block_ids, features, positions,
+                       visible[:, None, None, :], self.cache, self.max_drafts)
         _compat.crop_cache(self.cache, width - num_new + self.block_size)  # keep the real context K/V only
         self.cached_context = context_length
         return out

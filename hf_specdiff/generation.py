@@ -13,11 +13,13 @@ Greedy output equals the target's own greedy output; sampled output follows the 
 size with left-padded prompts: each row accepts and finishes on its own, and the output equals plain batched
 `generate` (per-row cache bookkeeping in `batching.py`).
 
-With `cache_implementation="static"` (batch 1) every step has the same shapes, so that it can be compiled once: the
+With `cache_implementation="static"` every step has the same shapes, so that it can be compiled once: the
 target cache is a `StaticCache` with a block of room past `max_length` (rolling back only lowers its length; the next
 verify overwrites the rejected slots), every verify forward has the same width (the anchor and `num_draft_tokens`
 drafts, B-1 by default; the last blocks are padded), and the
-drafter keeps its context in a static cache too (`BlockDiffusionCandidateGenerator._draft_static`). Where transformers
+drafter keeps its context in a static cache too (`BlockDiffusionCandidateGenerator._draft_static`). A batch keeps its
+finished rows (they emit nothing), passes per-row positions and a mask over the whole static cache at every step,
+holes or not, and compacts its caches in place when holes would overflow them. Where transformers
 would compile plain decoding's forward, the verify forward, the draft step and the sync-free Jacobi refinement
 (`xpress.jacobi_refine_unrolled`) run through `torch.compile`; on a GPU its default mode captures them as CUDA graphs,
 which removes the per-kernel launch cost that bounds a small target's eager decoding.
@@ -182,7 +184,8 @@ def speculative_decoding(
     Caches (see `batching.py`): every verify forward's K/V stay in the target cache; slots past the longest accepted
     run are cropped, the other rows' rejected slots are masked out by a 2D attention mask, with per-row position ids.
     The drafter's cache mirrors the target's slot for slot. Both are compacted (each row's slots gathered, left-padded)
-    when holes fill more than half of them, and finished rows are dropped from the batch. A single row has no holes
+    when holes fill more than half of them, and finished rows are dropped from the batch (kept, with a static cache,
+    so that every forward keeps its shapes). A single row has no holes
     but its prompt's padding: an exact crop, as in plain speculative decoding (and no mask without padding).
     """
     _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, logits_processor, streamer)
@@ -193,8 +196,9 @@ def speculative_decoding(
     keep_logits = want_dict and generation_config.output_logits
     stats = SpeculationStats(method, batch_size=input_ids.shape[0])
     block_size = speculator.drafter.config.block_size
-    # cache_implementation="static" (batch 1): a static target cache with room for a whole block past the length
-    # transformers sizes static caches to, every verify forward equally wide, and, where transformers would compile
+    # cache_implementation="static": a static target cache with room for a whole block past the length transformers
+    # sizes static caches to, every verify forward equally wide, finished rows kept in the batch (emitting nothing) so
+    # that every forward keeps its shapes, and, where transformers would compile
     # plain decoding's forward (by its own rule: cuda / xpu / neuron / tpu, or `compile_config._compile_all_devices`;
     # never with `disable_compile`), the verify forward, the draft step and the Jacobi refinement all compiled.
     static = generation_config.cache_implementation == "static"
@@ -205,7 +209,7 @@ def speculative_decoding(
     masks_keys = bool(_attention_types(model.config.get_text_config()) - {"linear_attention", "conv"})
     if static:
         room = _compat.static_cache_length(model, generation_config) + block_size
-        cache = _compat.reused_static_cache(model, model.config.get_text_config(decoder=True), room)
+        cache = _compat.reused_static_cache(model, model.config.get_text_config(decoder=True), room, input_ids.shape[0])
     else:
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         if attention_windows is not None:  # windows counted per row need every slot kept (the given one is empty)
@@ -218,7 +222,7 @@ def speculative_decoding(
         model, speculator, method, generation_config, logits_processor, num_jacobi_passes, stats,
         static_cache_length=room if static else None,
         compile_config=_compat.compile_config(model, generation_config) if compiled else None,
-        num_draft_tokens=num_draft_tokens,
+        num_draft_tokens=num_draft_tokens, batch_size=input_ids.shape[0],
     )
     # Keep what rolling back a verify forward needs (sliding, conv, recurrent layers), from the first verify forward on:
     # a recorded prompt's last tokens would be scanned one by one, where plain decoding scans the whole prompt in
@@ -227,7 +231,8 @@ def speculative_decoding(
     has_eos_criterion = any(hasattr(c, "eos_token_id") for c in stopping_criteria)  # as plain `generate` decides
     rows = RowBatch(input_ids, model_kwargs.get("attention_mask"), generation_config, pad_after_stop=has_eos_criterion,
                     attention_windows=attention_windows, mask_dtype=model.dtype,
-                    compact_every_step=model.config.get_text_config().model_type in _SLOT_DISTANCE_MODEL_TYPES)
+                    compact_every_step=model.config.get_text_config().model_type in _SLOT_DISTANCE_MODEL_TYPES,
+                    keep_finished_rows=static)
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
@@ -244,8 +249,10 @@ def speculative_decoding(
         candidates = rows.new_tokens(candidate_ids)  # (b, n)
         num_drafts = candidates.shape[1]
 
-        # 2. Compact both caches (which now hold the same slots) once holes fill more than half of them.
-        rows.compact_if_sparse([cache, drafter.cache])
+        # 2. Compact both caches (which now hold the same slots) once holes fill more than half of them, or, static,
+        #    when the next verify forward would not fit.
+        if rows.compact_if_sparse([cache, drafter.cache], room - drafter.max_drafts - 1 if static else None):
+            drafter.cached_context = rows.slots
 
         # 3. Verify: one target forward over each row's [anchor, candidates] (the padded prompts on the first pass).
         synchronize(input_ids.device)
@@ -257,6 +264,12 @@ def speculative_decoding(
         if padding:  # the padded slots' logits are ignored and their K/V cropped below, like rejected drafts'
             fed = torch.cat([fed, fed[:, -1:].expand(-1, padding)], dim=1)
             positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, padding + 1, device=fed.device)], 1)
+        if static and not first and rows.batch_size > 1:  # one call shape at every step, holes or not: per-row
+            # positions, and a mask over the whole static cache (its padded slots, past the tokens fed, masked)
+            positions = positions.expand(fed.shape[0], -1).contiguous()
+            if attention_mask is None:
+                attention_mask = fed.new_ones(fed.shape[0], rows.slots + fed.shape[1] - padding)
+            attention_mask = torch.nn.functional.pad(attention_mask, (0, room - attention_mask.shape[1]))
         logits_kwargs = {"logits_to_keep": num_drafts + 1} if "logits_to_keep" in model_kwargs and not static else {}
         with contextlib.nullcontext() if first else verify_layout:
             outputs = (model if first else verify_forward)(  # the prefill's shape is seen once: never compiled
@@ -294,13 +307,14 @@ def speculative_decoding(
 
         # 5. Stop each row where plain decoding would have stopped, even inside its accepted run.
         drafted = [min(num_drafts, generation_config.max_length - n - 1) for n in rows.lengths]  # fit before max length
-        emitted = [k + 1 for k in accepted]
+        active = rows.active()  # a static batch's finished rows stay in it and emit nothing
+        emitted = [accepted[i] + 1 if i in active else 0 for i in range(len(accepted))]
         rows.append(new_tokens, emitted)
         stops = first_stop(new_tokens, emitted, rows, stopping_criteria, generation_config,
                            target_scores if keep_scores else None)
         kept = rows.stop(stops, emitted)
         if not first:
-            stats.add_step(rows.rows, kept, drafted, accepted)
+            stats.add_step(*([values[i] for i in active] for values in (rows.rows, kept, drafted, accepted)))
         rows.record(target_scores if keep_scores else None, target_logits if keep_logits else None, kept)
         if streamer is not None:  # batch size 1
             streamer.put(new_tokens[:, : kept[0]].cpu())
@@ -406,10 +420,13 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
             "generation config, as MPT's): pass use_cache=True."
         )
     if generation_config.cache_implementation == "static":
-        if batch_size > 1:
+        if batch_size > 1 and (other := sorted(_attention_types(text_config) - {"full_attention"})):
+            why = (" (a batch's static cache would count their windows in cache slots, not in each row's tokens)"
+                   if set(other) & _WINDOWED_LAYER_TYPES else "")
             raise ValueError(
-                f"speculation=... with cache_implementation='static' decodes one sequence; got {batch}. "
-                "Use the default dynamic cache for batches, or generate row by row."
+                f"speculation=... with cache_implementation='static' and {batch} handles full-attention models; "
+                f"this model also has {other} layers{why}. Use the default dynamic cache for batches, or generate row "
+                "by row."
             )
         if other := sorted(_attention_types(text_config) - {"full_attention"} - _STATIC_WINDOWED_LAYER_TYPES):
             raise ValueError(
@@ -450,7 +467,7 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
     if cache is not None and not isinstance(cache, (DynamicCache, StaticCache)):
         raise ValueError(
             f"speculation=... rolls the cache back past rejected drafts, and a {type(cache).__name__} cannot be rolled "
-            "back. Pass no cache (the default dynamic one), or cache_implementation='static' (batch 1)."
+            "back. Pass no cache (the default dynamic one), or cache_implementation='static'."
         )
     if cache is not None and not isinstance(cache, StaticCache) and cache.get_seq_length() > 0:
         raise ValueError("speculation=... starts from an empty cache; do not pass a pre-filled cache.")
@@ -530,7 +547,7 @@ def _check_decoding_mode(generation_config) -> None:
     if generation_config.cache_implementation not in (None, "dynamic", "static"):
         raise ValueError(
             "speculation=... needs a cache that can be rolled back; cache_implementation="
-            f"{generation_config.cache_implementation!r} cannot. Use the default dynamic cache, or 'static' (batch 1)."
+            f"{generation_config.cache_implementation!r} cannot. Use the default dynamic cache, or 'static'."
         )
 
 

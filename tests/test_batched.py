@@ -185,26 +185,30 @@ def record_drafts(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("cache", [None, "static"])
 @pytest.mark.parametrize("method", METHODS)
-def test_random_drafts_rows_equal_row_by_row(method, record_drafts):
+def test_random_drafts_rows_equal_row_by_row(method, cache, record_drafts):
     """Drafts nearly always rejected. The recorder also asserts that a row drafts the same block in the batch as
-    alone: the drafter's own cache and context are right per row (ragged contexts, holes, left padding)."""
+    alone: the drafter's own cache and context are right per row (ragged contexts, holes, left padding). With
+    cache_implementation="static" too: static target and drafter caches, finished rows kept in the batch."""
     target = hf_specdiff.enable(make_target())
     speculator = make_speculator(target)
     for i, prompts in enumerate(ragged_batches(count=2, size=4, seed=0)):
-        assert_rows_exact(target, speculator, method, prompts, max_new_tokens=8 + 5 * i)
+        assert_rows_exact(target, speculator, method, prompts, max_new_tokens=8 + 5 * i, cache_implementation=cache)
     assert len(record_drafts) > 20
 
 
+@pytest.mark.parametrize("cache", [None, "static"])
 @pytest.mark.parametrize("method", METHODS)
-def test_accepted_drafts_rows_equal_row_by_row(method, record_drafts):
+def test_accepted_drafts_rows_equal_row_by_row(method, cache, record_drafts):
     """Oracle add-ons on a successor target with an EOS: rows accept runs of different lengths (holes in the cache,
-    compaction), some stop at EOS inside a block, others at max_new_tokens."""
+    compaction), some stop at EOS inside a block, others at max_new_tokens. Static too, as above."""
     target = hf_specdiff.enable(make_successor_target(eos_token_id=17))
     speculator = make_speculator(target, oracle=True)
     taus = []
     for i, prompts in enumerate(ragged_batches(count=3, size=5, seed=1)):
-        out = assert_rows_exact(target, speculator, method, prompts, max_new_tokens=12 + 7 * i)
+        out = assert_rows_exact(target, speculator, method, prompts, max_new_tokens=12 + 7 * i,
+                                cache_implementation=cache)
         taus.append(out.speculation.tau)
     if method != "dflash":
         assert sum(taus) / len(taus) > 1.5, "the oracle should get runs of several tokens accepted"
@@ -251,6 +255,63 @@ def test_rows_finish_at_different_steps_and_leave_the_batch(method, record_draft
     assert (generated[0, 7:] == PAD).all() and (generated[2, 3:] == PAD).all()
     if method != "dflash":  # EOS came inside an accepted run, not at a block boundary
         assert out.speculation.row_accepted_lengths[0] == [6]
+
+
+def test_a_static_batch_keeps_its_rows_and_its_shapes(monkeypatch):
+    """cache_implementation="static" with a batch: rows finish at different steps (EOS inside a block, or
+    max_new_tokens) and stay in the batch, so that every verify forward after the prefill has the same inputs' shapes
+    (rows, width, positions, a mask over the whole static cache) and so has every draft step after the first: a
+    compiled forward is captured once. Outputs equal plain static batched generate and each row alone (same accepted
+    runs); a second call reuses both static caches at the same addresses. When holes would overflow the static
+    cache, the caches are compacted whatever their share of holes."""
+    target = hf_specdiff.enable(make_successor_target(layer_scale=0.0, eos_token_id=17))
+    speculator = make_speculator(target, block_size=8, oracle=True, num_jacobi_passes=8)
+    prompts = [torch.tensor(p) for p in ([8, 9, 10], [30, 31], [14], [50, 51, 52], list(range(2, 13)))]
+    ids, mask = left_pad(prompts)
+    options = dict(do_sample=False, max_new_tokens=25, cache_implementation="static")
+    plain = target.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(plain, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=25))
+    out = assert_rows_exact(target, speculator, "xpress", prompts, **options)
+    generated = out.sequences[:, ids.shape[1] :]
+    assert [int((row == 17).nonzero()[0, 0]) if (row == 17).any() else None for row in generated] == [6, None, 2, None, 4]
+
+    verify_shapes, draft_shapes = [], []
+    hooks = [target.register_forward_pre_hook(lambda m, a, kw: verify_shapes.append(
+        (tuple(kw["input_ids"].shape), tuple(kw["position_ids"].shape), tuple(kw["attention_mask"].shape))
+    ), with_kwargs=True), speculator.drafter.register_forward_pre_hook(lambda m, a, kw: draft_shapes.append(
+        (tuple(kw["noise_embeds"].shape), tuple(kw["position_ids"].shape), tuple(kw["attention_mask"].shape))
+    ), with_kwargs=True)]
+    again = speculate(target, speculator, "xpress", ids, mask, **options)
+    for hook in hooks:
+        hook.remove()
+    assert torch.equal(again.sequences, plain)
+    assert len(set(verify_shapes[1:])) == 1 and verify_shapes[1][0] == (5, 8), verify_shapes
+    assert len(set(draft_shapes[1:])) == 1 and draft_shapes[1][0][0] == 5, draft_shapes
+    target_cache = _compat._reused_static_caches.by_owner[target][1]
+    drafter_cache = _compat._reused_static_caches.by_owner[speculator.drafter][1]
+    pointers = [target_cache.layers[0].keys.data_ptr(), drafter_cache.layers[0].keys.data_ptr()]
+    speculate(target, speculator, "xpress", ids, mask, **options)
+    assert _compat._reused_static_caches.by_owner[target][1] is target_cache
+    assert [target_cache.layers[0].keys.data_ptr(), drafter_cache.layers[0].keys.data_ptr()] == pointers
+
+    # rows accepting runs of different lengths, holes never worth compacting for their share: compaction only when
+    # the static cache would overflow
+    target = hf_specdiff.enable(make_successor_target(eos_token_id=17))
+    speculator = make_speculator(target, oracle=True)
+    monkeypatch.setattr(hf_specdiff.batching, "COMPACT_WHEN_WASTED", 1.0)
+    compactions = []
+    original = hf_specdiff.batching.RowBatch.compact_if_sparse
+
+    def counting(self, caches, max_slots=None):
+        done = original(self, caches, max_slots)
+        compactions.append(done)
+        assert self.slots + 8 <= max_slots + 8 <= caches[0].layers[0].max_cache_len, "the next verify would overflow"
+        return done
+
+    monkeypatch.setattr(hf_specdiff.batching.RowBatch, "compact_if_sparse", counting)
+    for i, batch in enumerate(ragged_batches(count=2, size=5, seed=1)):
+        assert_rows_exact(target, speculator, "xpress", batch, **dict(options, max_new_tokens=30 + 7 * i))
+    assert any(compactions), "no compaction: the overflow guard went untested"
 
 
 @pytest.mark.parametrize("eos_token_id", [None, 63])
@@ -351,8 +412,8 @@ def test_compaction_keeps_every_row_exact(monkeypatch):
     compactions = []
     original = hf_specdiff.batching.RowBatch.compact_if_sparse
 
-    def counting(self, caches):
-        done = original(self, caches)
+    def counting(self, caches, max_slots=None):
+        done = original(self, caches, max_slots)
         compactions.append(done)
         if done:
             assert all(c.get_seq_length() == max(self.valid) for c in caches)
@@ -420,13 +481,13 @@ SAMPLING_VOCAB, NEW_TOKENS, DRAWS = 6, 4, 3000
 SAMPLING_PROMPTS = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]  # different lengths: the second is left-padded
 
 
-def batched_p_values(target, speculator):
+def batched_p_values(target, speculator, **options):
     ids, mask = left_pad(SAMPLING_PROMPTS)
     counts = [{} for _ in SAMPLING_PROMPTS]
     accepted = drafted = 0
     torch.manual_seed(0)
     for _ in range(DRAWS):
-        out = speculate(target, speculator, "xpress", ids, mask, do_sample=True, max_new_tokens=NEW_TOKENS)
+        out = speculate(target, speculator, "xpress", ids, mask, do_sample=True, max_new_tokens=NEW_TOKENS, **options)
         for row, row_counts in enumerate(counts):
             outcome = tuple(out.sequences[row, ids.shape[1] :].tolist())
             row_counts[outcome] = row_counts.get(outcome, 0) + 1
@@ -444,8 +505,9 @@ def sampling_setup():
 
 
 @pytest.mark.slow
-def test_batched_sampling_matches_target_distribution_per_row(sampling_setup):
-    p_values, acceptance = batched_p_values(*sampling_setup)
+@pytest.mark.parametrize("cache", [None, "static"])  # static: a finished row stays in the batch, emitting nothing
+def test_batched_sampling_matches_target_distribution_per_row(sampling_setup, cache):
+    p_values, acceptance = batched_p_values(*sampling_setup, cache_implementation=cache)
     assert 0.2 < acceptance < 0.95, f"the test should exercise both acceptance and rejection, got {acceptance:.2f}"
     assert min(p_values) > 1e-3, f"a row's speculative samples do not follow the target (p={p_values})"
 

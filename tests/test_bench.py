@@ -320,14 +320,14 @@ def test_batch_curve_compares_methods_at_each_batch_size(tmp_path, smollm):
     target, tokenizer, _ = smollm
     shipped = hf_specdiff.AutoSpeculator.from_pretrained(hf_specdiff.default_speculator_path())  # rows accept unalike
     config = BenchConfig(prompts=str(_prompts(tmp_path, BATCH_QUESTIONS)), limit=0, max_new_tokens=12, device="cpu",
-                         batch_size=[2, 1], methods=["ar", "ar_static", "dflash", "xpress", "markov"],
+                         batch_size=[2, 1], methods=["ar", "ar_static", "dflash", "xpress", "markov", "xpress_static"],
                          json=str(tmp_path / "curve.json"), markdown=str(tmp_path / "curve.md"),
                          plots=str(tmp_path / "plots"))
     result = run_bench(config, target=target, tokenizer=tokenizer, speculator=shipped, progress=False)
     write_outputs(result, config)
     saved = json.loads((tmp_path / "curve.json").read_text())
     assert saved["kind"] == "batch_curve" and saved["batch_sizes"] == [1, 2]  # sorted: the curve runs left to right
-    assert saved["runs"] == ["ar", "ar_static", "dflash", "xpress", "markov"]
+    assert saved["runs"] == ["ar", "ar_static", "dflash", "xpress", "markov", "xpress_static"]
     for size, used in (("1", 4), ("2", 4)):  # the same prompts at every size: full batches of 2 leave out the fifth
         summary = saved["curve"][size]
         assert summary["ar"]["speedup_vs_ar"] == 1.0 and summary["dflash"]["speedup_vs_dflash"] == 1.0
@@ -337,7 +337,7 @@ def test_batch_curve_compares_methods_at_each_batch_size(tmp_path, smollm):
             assert entry["prompts"] == used and entry["tokens_per_s"] > 0, (size, name)
             if name != "ar":  # every row equals plain batched generate's row (bar floating-point near-ties)
                 assert entry["unexplained_mismatches"] == 0 and "lossless_mismatches" in entry, (size, name)
-        for name in ("dflash", "xpress", "markov"):
+        for name in ("dflash", "xpress", "markov", "xpress_static"):
             entry = summary[name]
             assert entry["tau"] >= 1.0 and entry["forwards_per_batch"] > 1
             assert entry["draft_ms"] > 0 and entry["verify_ms"] > 0
@@ -349,7 +349,7 @@ def test_batch_curve_compares_methods_at_each_batch_size(tmp_path, smollm):
             assert rows == prompts, (size, name)
     table = (tmp_path / "curve.md").read_text()
     assert "| 2 | xpress |" in table and "| batch | method | tau |" in table and "1: 4, 2: 4; by dataset: custom 4" in table
-    assert "Forward compiled by torch.compile: none. ar_static: static cache, not compiled" in table  # a CPU
+    assert "Forward compiled by torch.compile: none. ar_static, xpress_static: static cache" in table  # a CPU
     assert "row-steps spent on rows that had already stopped: 1: 0%, 2: " in table
     assert [p.name for p in (tmp_path / "plots").iterdir()] == ["batch_curve.png"]
 

@@ -35,8 +35,6 @@ def generate(target, speculator, **kwargs):
     "kwargs,message",
     [
         (dict(num_beams=2), "beam search"),
-        (dict(num_return_sequences=2, do_sample=True, cache_implementation="static"),
-         r"decodes one sequence; got a batch of 2 \(1 prompts x num_return_sequences=2\)"),
         (dict(num_return_sequences=2, do_sample=True, streamer=BaseStreamer()), "num_return_sequences=2.*with a streamer"),
         (dict(use_cache=False), "needs the KV cache"),
         (dict(cache_implementation="offloaded"), "rolled back"),
@@ -102,9 +100,18 @@ def test_harmless_values_of_refused_options_pass(target, speculator):
 
 def test_static_cache_limits(target, speculator, monkeypatch):
     batch = torch.cat([PROMPT, PROMPT])
-    with pytest.raises(ValueError, match="decodes one sequence"):
-        target.generate(batch, assistant_model=speculator, speculation="xpress", cache_implementation="static",
-                        max_new_tokens=5)
+    static_batch = dict(assistant_model=speculator, speculation="xpress", cache_implementation="static",
+                        max_new_tokens=5, do_sample=False)
+    assert torch.equal(target.generate(batch, **static_batch),  # a full-attention target: batches are fine
+                       target.generate(batch, max_new_tokens=5, do_sample=False))
+    # a batch's static cache would count windows in slots, not in each row's tokens
+    with monkeypatch.context() as patched:
+        patched.setattr(hf_specdiff.generation, "_attention_types",
+                        lambda config: {"sliding_attention", "full_attention"})
+        with pytest.raises(ValueError, match=r"'static' and a batch of 2 handles full-attention models; "
+                                             r"this model also has \['sliding_attention'\] layers \(a batch's "
+                                             r"static cache would count their windows in cache slots"):
+            target.generate(batch, **static_batch)
     cache = StaticCache(config=target.config, max_cache_len=64)
     with pytest.raises(ValueError, match="cache_implementation='static' instead"):
         generate(target, speculator, past_key_values=cache)

@@ -293,6 +293,34 @@ def test_compiled_static_decoding_is_lossless_and_compiles_once():
     assert torch.equal(compiled.sequences, target.generate(prompt, do_sample=False, max_new_tokens=30))
 
 
+@pytest.mark.slow
+def test_compiled_static_batch_is_lossless_and_compiles_once():
+    """A ragged batch of 4 through the compiled static loop: plain batched greedy's tokens, with rows that stop at EOS
+    at different steps and stay in the batch; a second batch of the same size with other prompt lengths, and a third,
+    recompile nothing (every verify forward and draft step after the first has the same shapes)."""
+    require_cpu_compiler()
+    from test_batched import left_pad, ragged_batches
+
+    target = hf_specdiff.enable(make_successor_target(dtype=torch.float32, eos_token_id=17))
+    speculator = make_speculator(target, oracle=True).to(dtype=torch.float32)
+    compile_kwargs = dict(cache_implementation="static", max_cache_len=96,
+                          compile_config=_compat.compile_config_for_all_devices())
+    torch._dynamo.reset()
+    frames_before = torch._dynamo.utils.counters["frames"]["ok"]
+    stopped = set()
+    for i, prompts in enumerate(ragged_batches(count=3, size=4, seed=5)):
+        ids, mask = left_pad(prompts)
+        plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40)
+        # no dynamic shapes to fall back on: a forward or draft step seen with other shapes would recompile
+        with torch._dynamo.config.patch(error_on_recompile=True, automatic_dynamic_shapes=False):
+            compiled = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40,
+                                       assistant_model=speculator, speculation="xpress", **compile_kwargs)
+        assert torch.equal(compiled, plain)
+        stopped.update(len(row) - int((row == 17).nonzero()[0, 0]) for row in plain if (row == 17).any())
+    assert torch._dynamo.utils.counters["frames"]["ok"] > frames_before, "nothing was compiled"
+    assert len(stopped) > 1, "rows should stop at EOS at different steps"
+
+
 class CudaGraphOutputLifetimes:
     """Stands in for torch.compile with CUDA graphs (mode="reduce-overhead"), which the CPU cannot run: in inference
     every call of a compiled function starts a new cudagraph-tree generation, and the outputs of the call before it
