@@ -308,11 +308,14 @@ def _forward_compiled(model, kwargs: dict, out) -> bool:
     and assisted decoding when the cache is compileable and not a DynamicCache (a static cache), the device is cuda,
     xpu, neuron, tpu or (from 5.25) mps, or `compile_config._compile_all_devices` is set, `disable_compile` is not
     set, and no quantizer or CPU/disk offload forbids it. We ask that rule with the cache the call returned; our
-    speculative loop follows the same rule with a static cache (`dflash_static`, `xpress_static`) and never compiles
-    with the dynamic one."""
+    speculative loop follows the same rule with a static cache (`dflash_static`, `xpress_static`), never compiles
+    with the dynamic one, and says which it did in its statistics (a batch's output carries no cache)."""
     from transformers.generation.configuration_utils import GenerationConfig
 
     from . import _compat
+
+    if (stats := getattr(out, "speculation", None)) is not None:
+        return stats.compiled
 
     cache = getattr(out, _compat.generate_output_cache_field(), None)
     generation_config = copy.deepcopy(model.generation_config or GenerationConfig())

@@ -200,6 +200,7 @@ class SpeculationStats:
     prefill_seconds: float = 0.0  # the target's prefill forward
     draft_prefill_seconds: float = 0.0  # drafting the first block, which reads the whole prompt's context
     batch_size: int = 1
+    compiled: bool = False  # the verify forward ran through torch.compile (a static cache where transformers compiles)
     row_accepted_lengths: list[list[int]] = field(default_factory=list)  # per row of the batch: its accepted_lengths
     row_drafted_lengths: list[list[int]] = field(default_factory=list)  # per row of the batch: its drafted_lengths
 
@@ -265,6 +266,7 @@ class SpeculationStats:
             "prefill_seconds": self.prefill_seconds,
             "draft_prefill_seconds": self.draft_prefill_seconds,
             "batch_size": self.batch_size,
+            "compiled": self.compiled,
             "row_tau": self.row_tau,
             "row_accepted_lengths": [list(lengths) for lengths in self.row_accepted_lengths],
             "row_drafted_lengths": [list(lengths) for lengths in self.row_drafted_lengths],

@@ -216,7 +216,7 @@ def speculative_decoding(
             cache = _compat.unwindowed_dynamic_cache(model.config.get_text_config(decoder=True))
         elif cache is None:
             cache = DynamicCache()
-    compiled = static and _compat.forward_compiled(model, generation_config, cache)
+    compiled = stats.compiled = static and _compat.forward_compiled(model, generation_config, cache)
     verify_forward = model.get_compiled_call(generation_config.compile_config) if compiled else model
     drafter = BlockDiffusionCandidateGenerator(
         model, speculator, method, generation_config, logits_processor, num_jacobi_passes, stats,

@@ -319,6 +319,11 @@ def test_compiled_static_batch_is_lossless_and_compiles_once():
         stopped.update(len(row) - int((row == 17).nonzero()[0, 0]) for row in plain if (row == 17).any())
     assert torch._dynamo.utils.counters["frames"]["ok"] > frames_before, "nothing was compiled"
     assert len(stopped) > 1, "rows should stop at EOS at different steps"
+    # the statistics say so (the bench reads them: a batch's output carries no cache to ask transformers' rule with)
+    options = dict(attention_mask=mask, max_new_tokens=8, assistant_model=speculator, speculation="xpress",
+                   return_dict_in_generate=True)
+    assert target.generate(ids, **options, **compile_kwargs).speculation.compiled
+    assert not target.generate(ids, **options, cache_implementation="static").speculation.compiled  # a CPU
 
 
 class CudaGraphOutputLifetimes:
