@@ -250,8 +250,11 @@ def speculative_decoding(
         num_drafts = candidates.shape[1]
 
         # 2. Compact both caches (which now hold the same slots) once holes fill more than half of them, or, static,
-        #    when the next verify forward would not fit.
-        if rows.compact_if_sparse([cache, drafter.cache], room - drafter.max_drafts - 1 if static else None):
+        #    when the next verify forward would not fit. A step without drafts is the last one (every row still
+        #    decoding is one token from its max length): the drafter, which then added nothing to its cache and will
+        #    not draft again, is left out.
+        caches = [cache, drafter.cache] if num_drafts else [cache]
+        if rows.compact_if_sparse(caches, room - drafter.max_drafts - 1 if static else None):
             drafter.cached_context = rows.slots
 
         # 3. Verify: one target forward over each row's [anchor, candidates] (the padded prompts on the first pass).

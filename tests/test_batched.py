@@ -314,6 +314,16 @@ def test_a_static_batch_keeps_its_rows_and_its_shapes(monkeypatch):
     assert any(compactions), "no compaction: the overflow guard went untested"
 
 
+def test_a_static_batch_compacts_on_its_last_step_without_drafts():
+    """The last step drafts nothing (every row still decoding is one token from max_length), so the drafter's cache
+    holds fewer slots than the target's; when that step's holes would overflow the static cache, the target's alone
+    is compacted (the drafter never drafts again). This batch raised "caches hold different slots" before."""
+    target = hf_specdiff.enable(make_successor_target(eos_token_id=17))
+    speculator = make_speculator(target, oracle=True)
+    prompts = [torch.tensor([54, 10, 54]), torch.tensor([22, 28, 41, 54])]
+    assert_rows_exact(target, speculator, "xpress", prompts, max_new_tokens=10, cache_implementation="static")
+
+
 @pytest.mark.parametrize("eos_token_id", [None, 63])
 def test_stop_strings_per_row(eos_token_id):
     """Stop strings fire for each row at its own step. With an EOS token plain generate pads a stopped row; without
