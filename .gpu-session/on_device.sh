@@ -8,7 +8,7 @@
 #                             STAGE.tgz.part-* (at most 8 files under 16 MiB, what the tool brings back)
 #
 # Environment: RUN_SECONDS (default 460), SPECDIFF_TMP (default /tmp/specdiff), and reproduce_on_gpu.sh's own
-# (TRAIN_MINUTES, BENCH_LIMIT, MAX_NEW_TOKENS, CURVE_LIMIT, CURVE_SIZES, BENCH_METHODS, QUICK).
+# (TRAIN_MINUTES, BENCH_LIMIT, MAX_NEW_TOKENS, CURVE_LIMIT, CURVE_SIZES, CURVE_METHODS, BENCH_METHODS, QUICK).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 work="${SPECDIFF_TMP:-/tmp/specdiff}"

@@ -20,6 +20,8 @@
 #   MAX_NEW_TOKENS     per answer in every bench (default 256)
 #   BENCH_METHODS      the methods of the batch-1 bench of `speculator` and `speed` (default: all of the stage's;
 #                      e.g. "ar dflash xpress markov" leaves out the compiled ones, which take minutes to compile)
+#   CURVE_METHODS      the methods of the `speculator` stage's batch curve (default "ar dflash xpress"; add
+#                      "ar_static xpress_static" for the compiled static-cache curve, one compilation per size)
 #   QUICK=1            a CPU smoke run of the whole script: a few training steps, 2 prompts, short answers
 #
 # Everything lands in OUT: the artifact, train logs, bench JSON / Markdown / plots, and the commands that made them.
@@ -50,6 +52,7 @@ run() { echo "+ $*" | tee -a "$out/commands.txt"; "$@"; }
 
 if [[ "$stage" == speculator ]]; then
   read -r -a methods <<< "${BENCH_METHODS:-ar ar_static dflash xpress markov dflash_static xpress_static dflash_hf prompt_lookup}"
+  read -r -a curve_methods <<< "${CURVE_METHODS:-ar dflash xpress}"
   run hf-specdiff train --config "$here/configs/smollm2-135m-gpu.json" --output-dir "$out/train" \
       --data "$distill/gsm8k_train.jsonl" "$distill/sharegpt.jsonl" "${budget[@]}" "${quick[@]}" \
       "${quick_speculator[@]}"
@@ -58,7 +61,7 @@ if [[ "$stage" == speculator ]]; then
   run "${bench[@]}" --speculator "$out/train/speculator" --json "$out/bench.json" --markdown "$out/bench.md" \
       --plots "$out"
   run hf-specdiff bench --speculator "$out/train/speculator" --datasets gsm8k --limit "$curve_limit" \
-      --batch-size "${curve_sizes[@]}" --max-new-tokens "$tokens" --methods ar dflash xpress --dtype "$dtype" \
+      --batch-size "${curve_sizes[@]}" --max-new-tokens "$tokens" --methods "${curve_methods[@]}" --dtype "$dtype" \
       --json "$out/curve.json" --markdown "$out/curve.md" --plots "$out"
   run hf-specdiff export --run "$out/train" --output "$out/speculator" --dtype bfloat16 \
       --template "$here/../model_cards/speculator.md" --train-hardware "$hardware" --bench-json "$out/bench.json" \
