@@ -306,10 +306,13 @@ class RowBatch:
             return False
         if any(c.get_seq_length() != self.slots for c in caches):
             if self.compact_every_step or must:
-                reason = "this target cannot take holes in its cache" if self.compact_every_step else "they are full"
+                reason = ("this target cannot take holes in its cache" if self.compact_every_step else
+                          f"the next verify forward would write past the static caches ({self.slots} slots held, "
+                          f"{max_slots} at most)")
                 raise RuntimeError(
-                    f"hf_specdiff: the target and drafter caches hold different slots, and {reason}. Generate row by "
-                    "row, and please report it."
+                    f"hf_specdiff: the target and drafter caches hold different slots, so they cannot be compacted "
+                    f"together, and {reason}. Use the default dynamic cache or generate row by row, and please report "
+                    "it."
                 )
             return False
         order = torch.argsort(self.cache_mask, dim=1, stable=True)[:, self.slots - width :]  # (b, width): holes first

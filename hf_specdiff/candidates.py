@@ -418,15 +418,21 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         if self.method == "xpress":
             # (b, 2): the token before the anchor, the anchor; a fresh copy, as a compiled step guards on strides
             anchors = last_tokens(input_ids, sequence_lengths, 2).clone(memory_format=torch.contiguous_format)
+            # a static batch's finished rows are refined with the others but never offered: the passes follow the rows
+            # still decoding (a mask at every step of such a batch, so that a compiled refinement keeps its signature)
+            decoding = None
+            if rows is not None and rows.keep_finished_rows and batch > 1:
+                decoding = torch.tensor([row not in rows.finished for row in rows.rows], device=self.device)
             if self.refine_step is not None and position_free(self.picker.processors):  # compiled: picker spelled out
                 tokens, q, passes = self.refine_step(
                     self.refiner, drafter_logits, hidden, anchors, self.num_jacobi_passes, self.picker.gumbel,
                     self.picker.warp if self.picker.processors else None, self.add_on_read_out, self.draft_token_ids,
+                    decoding,
                 )
             else:
                 tokens, q, passes = jacobi_refine(
                     self.refiner, drafter_logits, hidden, anchors, self.picker, self.num_jacobi_passes,
-                    self.add_on_read_out,
+                    self.add_on_read_out, decoding,
                 )
             self.stats.refine_passes.append(int(passes))
         elif self.method == "markov":

@@ -267,8 +267,9 @@ def speculative_decoding(
         if padding:  # the padded slots' logits are ignored and their K/V cropped below, like rejected drafts'
             fed = torch.cat([fed, fed[:, -1:].expand(-1, padding)], dim=1)
             positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, padding + 1, device=fed.device)], 1)
-        if static and not first and rows.batch_size > 1:  # one call shape at every step, holes or not: per-row
-            # positions, and a mask over the whole static cache (its padded slots, past the tokens fed, masked)
+        if static and not first and (rows.batch_size > 1 or attention_mask is not None):  # one call shape at every
+            # step, holes or padding or not: per-row positions, and a mask over the whole static cache (its padded
+            # slots, past the tokens fed, masked)
             positions = positions.expand(fed.shape[0], -1).contiguous()
             if attention_mask is None:
                 attention_mask = fed.new_ones(fed.shape[0], rows.slots + fed.shape[1] - padding)
@@ -311,7 +312,8 @@ def speculative_decoding(
         # 5. Stop each row where plain decoding would have stopped, even inside its accepted run.
         drafted = [min(num_drafts, generation_config.max_length - n - 1) for n in rows.lengths]  # fit before max length
         active = rows.active()  # a static batch's finished rows stay in it and emit nothing
-        emitted = [accepted[i] + 1 if i in active else 0 for i in range(len(accepted))]
+        decoding = set(active)
+        emitted = [accepted[i] + 1 if i in decoding else 0 for i in range(len(accepted))]
         rows.append(new_tokens, emitted)
         stops = first_stop(new_tokens, emitted, rows, stopping_criteria, generation_config,
                            target_scores if keep_scores else None)
@@ -324,7 +326,7 @@ def speculative_decoding(
         if rows.all_finished:
             break
 
-        # 6. Roll back: finished rows leave the batch; each row keeps [anchor, accepted] in the target cache (the slots
+        # 6. Roll back: finished rows leave the batch (a static batch keeps them, holding no new slot); each row keeps [anchor, accepted] in the target cache (the slots
         #    no row kept are cropped, the others' rejected ones masked); its bonus token is its next anchor.
         outputs = rows.roll_back(cache, drafter, outputs, fed.shape[1], None if first else emitted)
         first = False
@@ -426,10 +428,10 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
         if batch_size > 1 and (other := sorted(_attention_types(text_config) - {"full_attention"})):
             why = (" (a batch's static cache would count their windows in cache slots, not in each row's tokens)"
                    if set(other) & _WINDOWED_LAYER_TYPES else "")
+            alone = "" if set(other) - _STATIC_WINDOWED_LAYER_TYPES else ", or a static cache row by row"
             raise ValueError(
                 f"speculation=... with cache_implementation='static' and {batch} handles full-attention models; "
-                f"this model also has {other} layers{why}. Use the default dynamic cache for batches, or generate row "
-                "by row."
+                f"this model also has {other} layers{why}. Use the default dynamic cache for batches{alone}."
             )
         if other := sorted(_attention_types(text_config) - {"full_attention"} - _STATIC_WINDOWED_LAYER_TYPES):
             raise ValueError(
@@ -502,8 +504,9 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
             )
         if any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in logits_processor or []):
             raise ValueError(
-                "speculation=... with a batch cannot use prefix_allowed_tokens_fn: rows finish and leave the batch, "
-                "so its batch_id would no longer name the same row. Generate row by row."
+                "speculation=... with a batch cannot use prefix_allowed_tokens_fn: rows of different lengths are "
+                "scored at their own prefix lengths, the other rows of each call being zero filler, which the "
+                "function would be asked about as if they were real prefixes. Generate row by row."
             )
 
 

@@ -137,6 +137,7 @@ def jacobi_refine(
     pick: Picker,
     num_passes: int,
     read_out: nn.Module | None = None,
+    decoding: torch.Tensor | None = None,
 ) -> tuple[torch.LongTensor, torch.Tensor, int]:
     """Resolve a drafted block with K parallel refinement passes.
 
@@ -151,6 +152,8 @@ def jacobi_refine(
             the block's shared Gumbel noise, so the same noise is reused by every pass.
         num_passes: K; at most n are run (see the module docstring).
         read_out: the refiner's read-out over a draft vocabulary (`draft_vocab.DraftReadOut`); None: all of w2.
+        decoding: (b,) bool, the rows whose blocks count (None: all): a static batch's finished rows are drafted and
+            refined with the others but never offered, so their blocks neither keep the passes going nor count.
     Returns:
         tokens (b, n) (token ids), q (b, n, V or N): the processed logits the tokens were picked from, passes run.
     """
@@ -166,7 +169,9 @@ def jacobi_refine(
         bias = refiner(context, prev, skip=settled, read_out=read_out).to(drafter_logits.dtype)
         refined = torch.cat([refined[:, :settled], drafter_logits[:, settled:] + bias], dim=1)
         new_tokens, q = pick(refined, tokens)
-        changed = (new_tokens != tokens).any(dim=0).nonzero()  # slots changed in any row (one host sync)
+        changed = new_tokens != tokens
+        changed = (changed if decoding is None else changed & decoding[:, None]).any(dim=0).nonzero()  # in any row
+        # (one host sync)
         tokens = new_tokens
         if not len(changed):  # fixed point: another pass would change nothing
             break
@@ -185,12 +190,13 @@ def jacobi_refine_unrolled(
     warp: Callable[[torch.Tensor], torch.Tensor] | None = None,
     read_out: nn.Module | None = None,
     token_ids: torch.LongTensor | None = None,
+    decoding: torch.Tensor | None = None,
 ) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor]:
     """`jacobi_refine` with the picker spelled out, written for torch.compile: no host sync and no data-dependent
     branch. `warp` maps float32 logits (b, n, V) to processed ones (the target's processors whose output does not
     depend on earlier tokens: temperature, top-k, top-p, ...; None: none); `gumbel` (b, n, V) is the block's noise
-    when sampling, None for greedy; `read_out` as in `jacobi_refine`, with `token_ids` the ids of its columns (None:
-    the columns are the ids). It always runs min(K, n) passes: a fixed point
+    when sampling, None for greedy; `read_out` and `decoding` as in `jacobi_refine`, with `token_ids` the ids of
+    `read_out`'s columns (None: the columns are the ids). It always runs min(K, n) passes: a fixed point
     stays fixed (the same block gives the same logits), so the extra passes change nothing and the tokens and q are
     `jacobi_refine`'s. The number of passes `jacobi_refine` would have run is counted on the device.
 
@@ -207,7 +213,8 @@ def jacobi_refine_unrolled(
     for number in range(1, num_passes + 1):
         prev = torch.cat([anchor_tokens, tokens[:, :-1]], dim=1)
         new_tokens, q = pick(drafter_logits + refiner(context, prev, read_out=read_out).to(drafter_logits.dtype))
-        same = (new_tokens == tokens).all()
+        same = new_tokens == tokens
+        same = (same if decoding is None else same | ~decoding[:, None]).all()
         passes = torch.where(same & ~converged, number, passes)  # the pass at which `jacobi_refine` stops
         converged = converged | same
         tokens = new_tokens

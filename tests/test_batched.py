@@ -20,6 +20,7 @@ from conftest import (
     make_target,
     replay_greedy_drafts,
 )
+from transformers import StaticCache
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specdiff
@@ -65,6 +66,8 @@ def assert_rows_exact(target, speculator, method, prompts, check_row_stats=True,
     assert stats.batch_size == len(prompts) and len(stats.row_accepted_lengths) == len(prompts)
     assert len(stats.accepted_lengths) == sum(len(r) for r in stats.row_accepted_lengths)
     assert stats.target_forwards == max(len(r) for r in stats.row_accepted_lengths) + 1
+    assert stats.drafted_tokens == sum(stats.drafted_lengths)  # drafts offered to rows still decoding only
+    assert stats.accepted_tokens == sum(stats.accepted_draft_lengths)
     for row, prompt in enumerate(prompts):
         alone = speculate(target, speculator, method, prompt[None], None, **kwargs)
         assert torch.equal(alone.sequences, target.generate(prompt[None], **kwargs))
@@ -169,7 +172,8 @@ def record_drafts(monkeypatch):
         candidate_ids, q = original(self, input_ids, *args, rows=rows, **kwargs)
         if q is not None:
             lengths = rows.lengths if rows is not None else [input_ids.shape[1]] * input_ids.shape[0]
-            for row, length in enumerate(lengths):
+            for row in rows.active() if rows is not None else range(len(lengths)):  # (a static batch keeps the others)
+                length = lengths[row]
                 tokens = input_ids[row, :length].tolist()
                 while tokens and tokens[0] == PAD:
                     tokens.pop(0)
@@ -274,6 +278,12 @@ def test_a_static_batch_keeps_its_rows_and_its_shapes(monkeypatch):
     out = assert_rows_exact(target, speculator, "xpress", prompts, **options)
     generated = out.sequences[:, ids.shape[1] :]
     assert [int((row == 17).nonzero()[0, 0]) if (row == 17).any() else None for row in generated] == [6, None, 2, None, 4]
+    # finished rows were kept but counted nowhere: the same statistics as the dynamic loop, which drops them (the
+    # refinement's passes follow the rows still decoding)
+    dynamic = speculate(target, speculator, "xpress", ids, mask, do_sample=False, max_new_tokens=25).speculation
+    for name in ("accepted_lengths", "drafted_lengths", "drafted_tokens", "accepted_tokens", "refine_passes",
+                 "row_accepted_lengths", "target_forwards"):
+        assert getattr(out.speculation, name) == getattr(dynamic, name), name
 
     verify_shapes, draft_shapes = [], []
     hooks = [target.register_forward_pre_hook(lambda m, a, kw: verify_shapes.append(
@@ -305,23 +315,43 @@ def test_a_static_batch_keeps_its_rows_and_its_shapes(monkeypatch):
     def counting(self, caches, max_slots=None):
         done = original(self, caches, max_slots)
         compactions.append(done)
-        assert self.slots + 8 <= max_slots + 8 <= caches[0].layers[0].max_cache_len, "the next verify would overflow"
         return done
 
+    def fits(module, args, kwargs):  # every write lands inside the static cache
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, StaticCache):
+            assert int(cache.get_seq_length()) + kwargs["input_ids"].shape[1] <= cache.layers[0].max_cache_len
+
     monkeypatch.setattr(hf_specdiff.batching.RowBatch, "compact_if_sparse", counting)
+    hook = target.register_forward_pre_hook(fits, with_kwargs=True)
     for i, batch in enumerate(ragged_batches(count=2, size=5, seed=1)):
         assert_rows_exact(target, speculator, "xpress", batch, **dict(options, max_new_tokens=30 + 7 * i))
+    hook.remove()
     assert any(compactions), "no compaction: the overflow guard went untested"
+    # num_return_sequences with sampling: each prompt's copies are rows of the static batch
+    sampled = speculate(target, speculator, "xpress", ids[:2], mask[:2], do_sample=True, num_return_sequences=3,
+                        max_new_tokens=8, cache_implementation="static")
+    assert sampled.sequences.shape == (6, ids.shape[1] + 8) and sampled.speculation.batch_size == 6
 
 
-def test_a_static_batch_compacts_on_its_last_step_without_drafts():
+def test_a_static_batch_compacts_on_its_last_step_without_drafts(monkeypatch):
     """The last step drafts nothing (every row still decoding is one token from max_length), so the drafter's cache
     holds fewer slots than the target's; when that step's holes would overflow the static cache, the target's alone
     is compacted (the drafter never drafts again). This batch raised "caches hold different slots" before."""
     target = hf_specdiff.enable(make_successor_target(eos_token_id=17))
     speculator = make_speculator(target, oracle=True)
     prompts = [torch.tensor([54, 10, 54]), torch.tensor([22, 28, 41, 54])]
+    target_alone = []
+    original = hf_specdiff.batching.RowBatch.compact_if_sparse
+
+    def counting(self, caches, max_slots=None):
+        done = original(self, caches, max_slots)
+        target_alone.append(done and len(caches) == 1)
+        return done
+
+    monkeypatch.setattr(hf_specdiff.batching.RowBatch, "compact_if_sparse", counting)
     assert_rows_exact(target, speculator, "xpress", prompts, max_new_tokens=10, cache_implementation="static")
+    assert any(target_alone), "the target's cache was never compacted alone: the case went untested"
 
 
 @pytest.mark.parametrize("eos_token_id", [None, 63])
@@ -523,9 +553,10 @@ def test_batched_sampling_matches_target_distribution_per_row(sampling_setup, ca
 
 
 @pytest.mark.slow
-def test_batched_negative_control_broken_verifier_is_caught(sampling_setup, monkeypatch):
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_batched_negative_control_broken_verifier_is_caught(sampling_setup, monkeypatch, cache):
     monkeypatch.setattr(hf_specdiff.generation, "verify_sampling", accept_every_draft)
-    p_values, _ = batched_p_values(*sampling_setup)
+    p_values, _ = batched_p_values(*sampling_setup, cache_implementation=cache)
     assert max(p_values) < 1e-6, f"a verifier that accepts every draft must be detected in every row, got p={p_values}"
 
 

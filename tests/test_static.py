@@ -79,6 +79,35 @@ def test_unrolled_refinement_equals_jacobi_refine(do_sample, processors):
     assert deep, "some blocks should need three passes or more"
 
 
+def test_refinement_follows_the_rows_still_decoding():
+    """`decoding` leaves out rows whose blocks are refined but never offered (a static batch's finished rows): the
+    passes run, and the tokens of the rows it keeps, are those of refining those rows alone, eager and unrolled. Row 0's
+    drafter already picks its fixed point (one pass); row 1's random block needs more, which without the mask would
+    keep the refinement going and count in its passes."""
+    target = make_successor_target()
+    refiner = make_speculator(target, oracle=True).refiner
+    block = refiner.config.block_size
+    generator = torch.Generator().manual_seed(2)
+    decoding = torch.tensor([True, False])
+    longer = 0
+    for _ in range(10):
+        logits = torch.randn(2, block - 1, VOCAB, generator=generator)
+        hidden = torch.randn(2, block, refiner.config.hidden_size, generator=generator).to(refiner.dtype)
+        anchors = torch.randint(0, VOCAB, (2, 2), generator=generator)
+        logits[0] += 20.0 * F.one_hot(left_to_right(refiner, logits, hidden, anchors), VOCAB)[0]
+        pickers = [DraftPicker(None, False) for _ in range(3)]
+        for picker, rows in zip(pickers, (anchors[:1], anchors, anchors)):
+            picker.start_block(rows, block - 1, VOCAB)
+        alone, _, alone_passes = jacobi_refine(refiner, logits[:1], hidden[:1], anchors[:1], pickers[0], 2 * block)
+        tokens, _, passes = jacobi_refine(refiner, logits, hidden, anchors, pickers[1], 2 * block, decoding=decoding)
+        assert passes == alone_passes and torch.equal(tokens[:1], alone)
+        unrolled, _, unrolled_passes = jacobi_refine_unrolled(refiner, logits, hidden, anchors, 2 * block,
+                                                              decoding=decoding)
+        assert int(unrolled_passes) == passes and torch.equal(unrolled[:1], alone)
+        longer += jacobi_refine(refiner, logits, hidden, anchors, pickers[2], 2 * block)[2] > passes
+    assert longer, "row 1 should keep an unmasked refinement going longer"
+
+
 def test_refinement_of_n_slots_is_their_left_to_right_decoding_after_at_most_n_passes():
     """Pass p settles slot p, so `jacobi_refine` and the unrolled refinement run at most n passes for n drafted slots,
     however large K, and return the block as picked slot by slot, each against the picks before it (the fixed point
@@ -294,12 +323,20 @@ def test_compiled_static_decoding_is_lossless_and_compiles_once():
 
 
 @pytest.mark.slow
-def test_compiled_static_batch_is_lossless_and_compiles_once():
+def test_compiled_static_batch_is_lossless_and_compiles_once(monkeypatch):
     """A ragged batch of 4 through the compiled static loop: plain batched greedy's tokens, with rows that stop at EOS
     at different steps and stay in the batch; a second batch of the same size with other prompt lengths, and a third,
-    recompile nothing (every verify forward and draft step after the first has the same shapes)."""
+    recompile nothing (every verify forward and draft step after the first has the same shapes), with the caches
+    compacted in place whenever a slot can be saved."""
     require_cpu_compiler()
+    import hf_specdiff.batching
     from test_batched import left_pad, ragged_batches
+
+    monkeypatch.setattr(hf_specdiff.batching, "COMPACT_WHEN_WASTED", 0.0)
+    compactions = []
+    original = hf_specdiff.batching.RowBatch.compact_if_sparse
+    monkeypatch.setattr(hf_specdiff.batching.RowBatch, "compact_if_sparse",
+                        lambda self, *args: compactions.append(original(self, *args)) or compactions[-1])
 
     target = hf_specdiff.enable(make_successor_target(dtype=torch.float32, eos_token_id=17))
     speculator = make_speculator(target, oracle=True).to(dtype=torch.float32)
@@ -319,6 +356,7 @@ def test_compiled_static_batch_is_lossless_and_compiles_once():
         stopped.update(len(row) - int((row == 17).nonzero()[0, 0]) for row in plain if (row == 17).any())
     assert torch._dynamo.utils.counters["frames"]["ok"] > frames_before, "nothing was compiled"
     assert len(stopped) > 1, "rows should stop at EOS at different steps"
+    assert any(compactions), "no compaction under compile"
     # the statistics say so (the bench reads them: a batch's output carries no cache to ask transformers' rule with)
     options = dict(attention_mask=mask, max_new_tokens=8, assistant_model=speculator, speculation="xpress",
                    return_dict_in_generate=True)
