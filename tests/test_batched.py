@@ -54,6 +54,23 @@ def speculate(target, speculator, method, ids, mask, **kwargs):
     return target.generate(ids, attention_mask=mask, assistant_model=speculator, speculation=method, **kwargs)
 
 
+def count_compactions(monkeypatch, check=None) -> list[tuple[bool, int]]:
+    """Records (compacted, number of caches handed) for every compaction check the loop makes; `check(rows, caches)`
+    runs after each compaction that happened."""
+    calls = []
+    original = hf_specdiff.batching.RowBatch.compact_if_sparse
+
+    def counting(self, caches, max_slots=None):
+        done = original(self, caches, max_slots)
+        calls.append((done, len(caches)))
+        if done and check is not None:
+            check(self, caches)
+        return done
+
+    monkeypatch.setattr(hf_specdiff.batching.RowBatch, "compact_if_sparse", counting)
+    return calls
+
+
 def assert_rows_exact(target, speculator, method, prompts, check_row_stats=True, **kwargs):
     """Batched speculation == plain batched generate on the same padded batch, and each row == that row alone
     (plain and speculative: same tokens, same accepted lengths). Returns the batched output."""
@@ -309,25 +326,18 @@ def test_a_static_batch_keeps_its_rows_and_its_shapes(monkeypatch):
     target = hf_specdiff.enable(make_successor_target(eos_token_id=17))
     speculator = make_speculator(target, oracle=True)
     monkeypatch.setattr(hf_specdiff.batching, "COMPACT_WHEN_WASTED", 1.0)
-    compactions = []
-    original = hf_specdiff.batching.RowBatch.compact_if_sparse
-
-    def counting(self, caches, max_slots=None):
-        done = original(self, caches, max_slots)
-        compactions.append(done)
-        return done
+    compactions = count_compactions(monkeypatch)
 
     def fits(module, args, kwargs):  # every write lands inside the static cache
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, StaticCache):
             assert int(cache.get_seq_length()) + kwargs["input_ids"].shape[1] <= cache.layers[0].max_cache_len
 
-    monkeypatch.setattr(hf_specdiff.batching.RowBatch, "compact_if_sparse", counting)
     hook = target.register_forward_pre_hook(fits, with_kwargs=True)
     for i, batch in enumerate(ragged_batches(count=2, size=5, seed=1)):
         assert_rows_exact(target, speculator, "xpress", batch, **dict(options, max_new_tokens=30 + 7 * i))
     hook.remove()
-    assert any(compactions), "no compaction: the overflow guard went untested"
+    assert any(done for done, _ in compactions), "no compaction: the overflow guard went untested"
     # num_return_sequences with sampling: each prompt's copies are rows of the static batch
     sampled = speculate(target, speculator, "xpress", ids[:2], mask[:2], do_sample=True, num_return_sequences=3,
                         max_new_tokens=8, cache_implementation="static")
@@ -341,17 +351,9 @@ def test_a_static_batch_compacts_on_its_last_step_without_drafts(monkeypatch):
     target = hf_specdiff.enable(make_successor_target(eos_token_id=17))
     speculator = make_speculator(target, oracle=True)
     prompts = [torch.tensor([54, 10, 54]), torch.tensor([22, 28, 41, 54])]
-    target_alone = []
-    original = hf_specdiff.batching.RowBatch.compact_if_sparse
-
-    def counting(self, caches, max_slots=None):
-        done = original(self, caches, max_slots)
-        target_alone.append(done and len(caches) == 1)
-        return done
-
-    monkeypatch.setattr(hf_specdiff.batching.RowBatch, "compact_if_sparse", counting)
+    compactions = count_compactions(monkeypatch)
     assert_rows_exact(target, speculator, "xpress", prompts, max_new_tokens=10, cache_implementation="static")
-    assert any(target_alone), "the target's cache was never compacted alone: the case went untested"
+    assert (True, 1) in compactions, "the target's cache was never compacted alone: the case went untested"
 
 
 @pytest.mark.parametrize("eos_token_id", [None, 63])
@@ -449,22 +451,16 @@ def test_scores_and_logits_match_plain_batched_generate():
 def test_compaction_keeps_every_row_exact(monkeypatch):
     """Force compaction whenever a slot can be saved: outputs stay exact, and the caches stay short."""
     monkeypatch.setattr(hf_specdiff.batching, "COMPACT_WHEN_WASTED", 0.0)
-    compactions = []
-    original = hf_specdiff.batching.RowBatch.compact_if_sparse
 
-    def counting(self, caches, max_slots=None):
-        done = original(self, caches, max_slots)
-        compactions.append(done)
-        if done:
-            assert all(c.get_seq_length() == max(self.valid) for c in caches)
-        return done
+    def as_short_as_the_longest_row(rows, caches):
+        assert all(c.get_seq_length() == max(rows.valid) for c in caches)
 
-    monkeypatch.setattr(hf_specdiff.batching.RowBatch, "compact_if_sparse", counting)
+    compactions = count_compactions(monkeypatch, check=as_short_as_the_longest_row)
     target = hf_specdiff.enable(make_successor_target(eos_token_id=17))
     speculator = make_speculator(target, oracle=True)
     for prompts in ragged_batches(count=2, size=5, seed=3):
         assert_rows_exact(target, speculator, "xpress", prompts, max_new_tokens=24)
-    assert sum(compactions) >= 3
+    assert sum(done for done, _ in compactions) >= 3
 
 
 def test_gather_cache_slots_per_row():
