@@ -242,7 +242,8 @@ class RowBatch:
     def roll_back(self, cache, drafter, outputs, num_fed: int, kept: list[int] | None):
         """After a verify forward of `num_fed` tokens per row: finished rows leave the batch (both caches, the hidden
         states the drafter reads next, all per-row state; with `keep_finished_rows` they stay and keep no slot); the
-        target cache keeps `kept[i]` of row i's fed slots (None: the prompt, all of them). Slots no row kept are cropped, the rest of the rejected ones masked.
+        target cache keeps `kept[i]` of row i's fed slots (None: the prompt, all of them). Slots no row kept are
+        cropped, the rest of the rejected ones masked.
         Returns `outputs` with its hidden states reduced to the remaining rows."""
         if kept is None:  # the prefill: the prompt is in the cache, its padding masked
             self.slots = num_fed

@@ -394,10 +394,9 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
             if context_mask is None:
                 positions = torch.arange(context_length - num_new, context_length + self.block_size, device=self.device)
                 positions = positions.expand(batch, -1)
-            else:  # a slot's position is the number of the row's tokens before it; the anchor follows the last one
-                seen = context_mask.to(self.device).cumsum(dim=1)  # (b, S)
-                block = torch.arange(self.block_size, device=self.device)
-                positions = torch.cat([(seen[:, context_length - num_new :] - 1).clamp(min=0), seen[:, -1:] + block], 1)
+            else:
+                new, block = per_row_positions(context_mask.to(self.device), num_new, self.block_size)
+                positions = torch.cat([new, block], dim=1)
                 attention_mask = torch.cat([context_mask, context_mask.new_ones(batch, self.block_size)], 1)
                 attention_mask = attention_mask.to(self.device)
             with self._layout(batch):
@@ -462,16 +461,15 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         width = num_new if self.cached_context == 0 else self.block_size  # context slots written by this call
         features = torch.nn.functional.pad(features, (0, 0, 0, width - num_new))
         start = self.cached_context
-        block = torch.arange(self.block_size, device=self.device)
         slots, block_start = self.slot_index, start + width
         in_block = (slots >= block_start) & (slots < block_start + self.block_size)
         if context_mask is None:  # slot j holds token j of every row
-            positions = torch.cat([start + torch.arange(width, device=self.device), context_length + block])
+            positions = torch.cat([start + torch.arange(width, device=self.device),
+                                   context_length + torch.arange(self.block_size, device=self.device)])
             positions, visible = positions.repeat(batch, 1), ((slots < context_length) | in_block).repeat(batch, 1)
-        else:  # a slot's position is the number of the row's tokens before it; the anchor follows the last one
-            seen = context_mask.to(self.device).cumsum(dim=1)  # (b, S)
-            new = torch.nn.functional.pad((seen[:, context_length - num_new :] - 1).clamp(min=0), (0, width - num_new))
-            positions = torch.cat([new, seen[:, -1:] + block], dim=1)
+        else:
+            new, block = per_row_positions(context_mask.to(self.device), num_new, self.block_size)
+            positions = torch.cat([torch.nn.functional.pad(new, (0, width - num_new)), block], dim=1)
             own = torch.nn.functional.pad(context_mask.to(self.device).bool(), (0, self.cache_slots - context_length))
             visible = own | in_block
         # The first call's context width is the prompt's, a shape seen once: it runs eagerly, like the target's prefill.
@@ -482,6 +480,15 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         _compat.crop_cache(self.cache, width - num_new + self.block_size)  # keep the real context K/V only
         self.cached_context = context_length
         return out
+
+
+def per_row_positions(context_mask: torch.Tensor, num_new: int, block_size: int):
+    """Position ids of a batch with holes: (the last `num_new` context slots (b, num_new), the block (b, B)). A slot's
+    position is the number of the row's own tokens before it (`context_mask` (b, S) marks them); the block's anchor
+    follows the row's last token."""
+    seen = context_mask.cumsum(dim=1)
+    block = seen[:, -1:] + torch.arange(block_size, device=context_mask.device)
+    return (seen[:, context_mask.shape[1] - num_new :] - 1).clamp(min=0), block
 
 
 def draft_block(drafter, embed_tokens, lm_head, block_ids, features, positions, attention_mask, cache, num_drafts):

@@ -169,9 +169,8 @@ def jacobi_refine(
         bias = refiner(context, prev, skip=settled, read_out=read_out).to(drafter_logits.dtype)
         refined = torch.cat([refined[:, :settled], drafter_logits[:, settled:] + bias], dim=1)
         new_tokens, q = pick(refined, tokens)
-        changed = new_tokens != tokens
-        changed = (changed if decoding is None else changed & decoding[:, None]).any(dim=0).nonzero()  # in any row
-        # (one host sync)
+        changed = new_tokens != tokens if decoding is None else (new_tokens != tokens) & decoding[:, None]
+        changed = changed.any(dim=0).nonzero()  # slots changed in any row that counts (one host sync)
         tokens = new_tokens
         if not len(changed):  # fixed point: another pass would change nothing
             break
