@@ -332,9 +332,10 @@ def compile_config(model, generation_config):
     return generation_config.compile_config or model._default_compile_config()
 
 
-def static_cache_length(model, generation_config) -> int:
+def static_cache_length(model, generation_config, embedded_prompt_slots: int = 0) -> int:
     """The length `generate` sizes a static cache to for this call, by its own rule: `max_length - 1` (the last token
-    is never fed), at least `max_cache_len`, and never less than an earlier call on this model used (recorded by
-    `generate` before the loop runs), so that a later, shorter call keeps the compiled forwards' shapes."""
-    return max(generation_config.max_length - 1, generation_config.max_cache_len or 0,
+    is never fed) plus the slots of a prompt given as `inputs_embeds` without its `input_ids` (which `max_length` leaves
+    out), at least `max_cache_len`, and never less than an earlier call on this model used (recorded by `generate`
+    before the loop runs, this call's included), so that a later, shorter call keeps the compiled forwards' shapes."""
+    return max(generation_config.max_length - 1 + embedded_prompt_slots, generation_config.max_cache_len or 0,
                getattr(model, "_previous_max_cache_length", 0))

@@ -118,7 +118,7 @@ class RowBatch:
     def __init__(self, input_ids: torch.LongTensor, attention_mask, generation_config, pad_after_stop: bool,
                  attention_windows: dict[str, int | AttentionChunks | None | bool] | None = None,
                  mask_dtype: torch.dtype = torch.float32, compact_every_step: bool = False,
-                 keep_finished_rows: bool = False):
+                 keep_finished_rows: bool = False, prompt_slots: int | None = None):
         batch, width = input_ids.shape
         # {mask key: its window or chunks, None for full attention, False for none} when the target has windowed layers
         self.attention_windows, self.mask_dtype = attention_windows, mask_dtype
@@ -126,6 +126,9 @@ class RowBatch:
         self.compact_every_step = compact_every_step
         self.keep_finished_rows = keep_finished_rows  # static caches: finished rows stay, emitting nothing
         self.batch_size, self.prompt_width = batch, width
+        # cache slots of the prompt, which `attention_mask` covers: a prompt given as `inputs_embeds` has them without
+        # their tokens (`input_ids` then holds none of them), else one per prompt token
+        self.prompt_slots = width if prompt_slots is None else prompt_slots
         self.max_new_tokens = generation_config.max_length - width
         self.pad_after_stop = pad_after_stop
         pad = generation_config._pad_token_tensor
@@ -136,7 +139,7 @@ class RowBatch:
         if attention_mask is not None:  # any dtype plain `generate` takes (bool, int, float): 0 / 1 longs here
             attention_mask = (attention_mask != 0).long()
         padded = attention_mask is not None and not bool(attention_mask.all())
-        self.prompt_mask = attention_mask if padded else None  # (b, W)
+        self.prompt_mask = attention_mask if padded else None  # (b, prompt slots)
         # Target (and drafter) cache layout: `slots` slots per row; `cache_mask` (b, slots) marks the row's own tokens
         # (None: all of them, no holes); `valid[i]` counts them, which is also the position id of the row's next token.
         self.slots = 0
@@ -150,12 +153,13 @@ class RowBatch:
     # -- inputs ---------------------------------------------------------------------------------------------------
 
     def verify_inputs(self, candidates: torch.LongTensor, first: bool):
-        """(input_ids, position_ids, attention_mask) of the verify forward: the padded prompts on the first pass,
-        then each row's [anchor, candidates] (b, n+1)."""
+        """(input_ids, position_ids, attention_mask) of the verify forward: the padded prompts on the first pass
+        (their tokens, which a prompt given as `inputs_embeds` need not have), then each row's [anchor, candidates]
+        (b, n+1)."""
         device = self.tokens.device
         if first:
             if self.prompt_mask is None:
-                return self.tokens, torch.arange(self.prompt_width, device=device)[None], None
+                return self.tokens, torch.arange(self.prompt_slots, device=device)[None], None
             positions = (self.prompt_mask.long().cumsum(-1) - 1).masked_fill(self.prompt_mask == 0, 0)
             return self.tokens, positions, self.prompt_mask
         fed = torch.cat([last_tokens(self.tokens, self.lengths, 1), candidates], dim=1)

@@ -415,8 +415,13 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         start = time.perf_counter()
         self.picker.start_block(input_ids, self.max_drafts, drafter_logits.shape[-1], rows)
         if self.method == "xpress":
-            # (b, 2): the token before the anchor, the anchor; a fresh copy, as a compiled step guards on strides
-            anchors = last_tokens(input_ids, sequence_lengths, 2).clone(memory_format=torch.contiguous_format)
+            # (b, 2): the token before the anchor, the anchor; a fresh copy, as a compiled step guards on strides. A
+            # row whose prompt came as embeddings alone has no token before its first anchor: the anchor stands in.
+            if min(sequence_lengths or [width]) < 2:
+                anchors = last_tokens(torch.cat([input_ids[:, :1], input_ids], dim=1),
+                                      [n + 1 for n in sequence_lengths or [width] * batch], 2).contiguous()
+            else:
+                anchors = last_tokens(input_ids, sequence_lengths, 2).clone(memory_format=torch.contiguous_format)
             # a static batch's finished rows are refined with the others but never offered: the passes follow the rows
             # still decoding (a mask at every step of such a batch, so that a compiled refinement keeps its signature)
             decoding = None

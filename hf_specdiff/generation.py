@@ -202,13 +202,18 @@ def speculative_decoding(
     # plain decoding's forward (by its own rule: cuda / xpu / neuron / tpu, or `compile_config._compile_all_devices`;
     # never with `disable_compile`), the verify forward, the draft step and the Jacobi refinement all compiled.
     static = generation_config.cache_implementation == "static"
+    # `inputs_embeds`: the prompt the target reads (b, P, H), fed by the prefill alone; `input_ids` (b, W) are the
+    # prompt tokens the output starts with (none, or the same prompt's), as plain `generate` has it. The cache then
+    # holds P prompt slots, and the rows' positions and mask count those.
+    prompt_embeds = model_kwargs.get("inputs_embeds")
+    prompt_slots = input_ids.shape[1] if prompt_embeds is None else prompt_embeds.shape[1]
     # a batch on a target with sliding-window layers: windows counted per row, over a cache keeping every slot
     attention_windows = _attention_windows(model.config.get_text_config()) if input_ids.shape[0] > 1 else None
     # A model whose every layer keeps a state (Mamba) has no keys to mask: it reads a 2D mask as the padding of the
     # tokens fed, which after the prompt are all real (plain `generate` passes it none then either).
     masks_keys = bool(_attention_types(model.config.get_text_config()) - {"linear_attention", "conv"})
     if static:
-        room = _compat.static_cache_length(model, generation_config) + block_size
+        room = _compat.static_cache_length(model, generation_config, prompt_slots - input_ids.shape[1]) + block_size
         cache = _compat.reused_static_cache(model, model.config.get_text_config(decoder=True), room, input_ids.shape[0])
     else:
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
@@ -232,7 +237,7 @@ def speculative_decoding(
     rows = RowBatch(input_ids, model_kwargs.get("attention_mask"), generation_config, pad_after_stop=has_eos_criterion,
                     attention_windows=attention_windows, mask_dtype=model.dtype,
                     compact_every_step=model.config.get_text_config().model_type in _SLOT_DISTANCE_MODEL_TYPES,
-                    keep_finished_rows=static)
+                    keep_finished_rows=static, prompt_slots=prompt_slots)
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
@@ -275,9 +280,12 @@ def speculative_decoding(
                 attention_mask = fed.new_ones(fed.shape[0], rows.slots + fed.shape[1] - padding)
             attention_mask = torch.nn.functional.pad(attention_mask, (0, room - attention_mask.shape[1]))
         logits_kwargs = {"logits_to_keep": num_drafts + 1} if "logits_to_keep" in model_kwargs and not static else {}
+        # the prefill of a prompt given as embeddings reads them (`fed` then holds the prompt's tokens, if any)
+        inputs = {"inputs_embeds": prompt_embeds} if first and prompt_embeds is not None else {"input_ids": fed}
+        num_fed = prompt_slots if first else fed.shape[1]
         with contextlib.nullcontext() if first else verify_layout:
             outputs = (model if first else verify_forward)(  # the prefill's shape is seen once: never compiled
-                input_ids=fed, position_ids=positions, attention_mask=attention_mask, use_cache=True,
+                **inputs, position_ids=positions, attention_mask=attention_mask, use_cache=True,
                 output_hidden_states=True, **logits_kwargs, **_compat.cache_kwargs(model, cache),
             )
         stats.target_forwards += 1
@@ -328,13 +336,14 @@ def speculative_decoding(
 
         # 6. Roll back: finished rows leave the batch (a static batch keeps them, holding no new slot); each row keeps [anchor, accepted] in the target cache (the slots
         #    no row kept are cropped, the others' rejected ones masked); its bonus token is its next anchor.
-        outputs = rows.roll_back(cache, drafter, outputs, fed.shape[1], None if first else emitted)
+        outputs = rows.roll_back(cache, drafter, outputs, num_fed, None if first else emitted)
         first = False
 
     if streamer is not None:
         streamer.end()
     if input_ids.shape[0] == 1:  # the cache handed back holds every token but the last, as plain `generate`'s does
-        _compat.crop_cache(cache, rows.slots + fed.shape[1] - (len(rows.finished[0]) - 1))
+        in_cache = len(rows.finished[0]) - 1 + prompt_slots - input_ids.shape[1]
+        _compat.crop_cache(cache, rows.slots + num_fed - in_cache)
     sequences = rows.sequences()
     if not want_dict:
         return sequences
@@ -368,7 +377,8 @@ _STATEFUL_PROCESSORS = {
 
 
 # Model inputs `generate` prepares that the loop handles itself (positions and the cache are rebuilt per step).
-_HANDLED_MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep"}
+_HANDLED_MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
+                         "inputs_embeds"}
 
 
 def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, logits_processor=None, streamer=None):
@@ -399,6 +409,7 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
             f"speculation=... feeds the target only the tokens its cache lacks and rolls the cache back past rejected "
             f"drafts, and {type(model).__name__} {reason}. Generate without speculation."
         )
+    _check_wrapping(model)
     # The loop scores every draft position, rejected drafts included, and scores a position again after a rejection:
     # a processor must be a function of (input_ids, scores). transformers' processors that keep state across calls
     # would drift from plain decoding's (whether built from the config or passed in `logits_processor`).
@@ -448,11 +459,23 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
     unsupported = sorted(k for k, v in model_kwargs.items()
                          if v is not None and not (isinstance(v, dict) and not v) and k not in _HANDLED_MODEL_KWARGS)
     if unsupported:
-        hint = " (pass the prompt as input_ids instead)" if "inputs_embeds" in unsupported else ""
+        hint = ""
         if {"pixel_values", "mm_encoder_outputs"} & set(unsupported):
             hint = " (speculation reads text prompts; generate with images without it)"
         raise ValueError(f"speculation=... does not support the model inputs {unsupported}; remove them{hint}.")
     mask = model_kwargs.get("attention_mask")
+    if (embeds := model_kwargs.get("inputs_embeds")) is not None:
+        if embeds.dim() != 3 or embeds.shape[0] != batch_size or input_ids.shape[1] not in (0, embeds.shape[1]):
+            raise ValueError(
+                f"speculation=... reads inputs_embeds of shape (batch, prompt length, hidden size) as the prompt, with "
+                f"input_ids either absent or the same prompt's tokens; got inputs_embeds {tuple(embeds.shape)} and "
+                f"input_ids {tuple(input_ids.shape)}. Pass input_ids of the same length, or none."
+            )
+        if mask is not None and mask.shape != embeds.shape[:2]:
+            raise ValueError(
+                f"speculation=... needs the attention_mask of the prompt in inputs_embeds, {tuple(embeds.shape[:2])}; "
+                f"got {tuple(mask.shape)}."
+            )
     if mask is not None and not bool(mask.all()):
         if bool((mask[:, 1:] < mask[:, :-1]).any()):
             raise ValueError(
@@ -508,6 +531,45 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                 "scored at their own prefix lengths, the other rows of each call being zero filler, which the "
                 "function would be asked about as if they were real prefixes. Generate row by row."
             )
+
+
+def _check_wrapping(model) -> None:
+    """What wraps the target (PEFT) must act through its weights, the same for every token of a forward.
+
+    Plain decoding builds every forward's inputs with `model.prepare_inputs_for_generation`; the loop builds its own
+    (positions, masks and the cache per row, as the class's would). A replacement set on the model itself could add
+    inputs the loop would drop without a word: PEFT's prompt learning puts its virtual tokens (prompt tuning,
+    P-tuning) or its prefix keys and values (prefix tuning) there, for the length of the wrapper's `generate`. And an
+    activated LoRA (aLoRA) applies its weights to the last tokens of each forward only, as many as followed its
+    invocation in the prompt: one-token decoding steps all get them, a verify forward's first tokens would not."""
+    for name, config in (getattr(model, "peft_config", None) or {}).items():
+        if getattr(config, "alora_invocation_tokens", None):
+            raise ValueError(
+                f"speculation=... verifies several tokens per target forward, and the activated LoRA adapter {name!r} "
+                "(alora_invocation_tokens) applies its weights to a fixed number of each forward's last tokens, so it "
+                "would miss some of them. Generate without speculation, or use a plain LoRA adapter."
+            )
+    replacement = model.__dict__.get("prepare_inputs_for_generation")
+    if replacement is None:
+        return
+    owner = getattr(replacement, "__self__", None)
+    if owner is model and replacement.__func__ is type(model).prepare_inputs_for_generation:
+        return  # the class's own, bound on the instance (PEFT puts it back so after its generate)
+    peft_config = getattr(owner, "active_peft_config", None)
+    if peft_config is not None and not peft_config.is_prompt_learning:
+        return  # LoRA and its kin act through the wrapped layers; their wrapper's replacement only calls the model's own
+    if peft_config is not None:
+        raise ValueError(
+            f"speculation=... builds the target's inputs itself, and this PEFT model's {peft_config.peft_type.value} "
+            "adds its virtual tokens (or prefix keys and values) in prepare_inputs_for_generation, which the loop does "
+            "not call: the output would be the base model's. Generate without speculation (PEFT adapters that change the weights, such as LoRA, "
+            "do work)."
+        )
+    raise ValueError(
+        f"speculation=... builds the target's inputs itself, and {type(model).__name__}.prepare_inputs_for_generation "
+        f"was replaced on this model (by {getattr(replacement, '__qualname__', replacement)!r}): what the replacement "
+        "adds would be dropped. Remove it (del model.prepare_inputs_for_generation) or generate without speculation."
+    )
 
 
 # transformers' assisted decoding and its knobs (prompt lookup, a draft model's schedule, early exit, MTP), none of

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import make_speculator, make_target
+from conftest import make_speculator, make_successor_target, make_target
 from transformers import GenerationConfig, GenerationMixin, LlamaForCausalLM, StaticCache, SynthIDTextWatermarkingConfig
 from transformers.generation.streamers import BaseStreamer
 
@@ -60,7 +60,9 @@ def generate(target, speculator, **kwargs):
         (dict(guidance_scale=1.5), "ClassifierFreeGuidance.*keeps state.*Remove `guidance_scale`"),
         (dict(watermarking_config=SynthIDTextWatermarkingConfig(keys=[3, 5, 7], ngram_len=2)),
          "SynthIDTextWatermarkLogitsProcessor.*keeps state.*Remove `watermarking_config` \\(SynthID\\)"),
-        (dict(inputs_embeds=torch.zeros(1, 5, 64, dtype=torch.float64)), "inputs_embeds.*pass the prompt as input_ids"),
+        # plain generate shows these 5 tokens and reads 7 other embeddings; an output of such a pair is no one's prompt
+        (dict(inputs_embeds=torch.zeros(1, 7, 64, dtype=torch.float64)),
+         r"inputs_embeds \(1, 7, 64\) and input_ids \(1, 5\). Pass input_ids of the same length, or none"),
         # refused before transformers heals tokens (it would ask for a tokenizer, even one that was passed)
         (dict(token_healing=True), "speculation=... does not support token healing; remove `token_healing`"),
         (dict(token_healing=True, tokenizer=object()), "speculation=... does not support token healing"),
@@ -243,6 +245,53 @@ def test_a_peft_wrapped_target_is_enabled_through_its_base_model():
     out = wrapped.generate(input_ids=PROMPT, max_new_tokens=12, do_sample=False, assistant_model=make_speculator(base),
                            speculation="xpress", return_dict_in_generate=True)
     assert torch.equal(out.sequences, plain) and out.speculation.target_forwards > 1
+
+
+@pytest.mark.parametrize("config_name", ["PromptTuningConfig", "PrefixTuningConfig"])
+def test_peft_prompt_learning_is_refused_not_dropped(config_name):
+    """PEFT's prompt learning adds its virtual tokens (or prefix K/V) in prepare_inputs_for_generation, which the loop
+    does not call: refused, where it used to return the base model's output without a word."""
+    import peft
+
+    base = make_target()
+    wrapped = peft.get_peft_model(base, getattr(peft, config_name)(task_type="CAUSAL_LM", num_virtual_tokens=4)).eval()
+    hf_specdiff.enable(wrapped.get_base_model())
+    with pytest.raises(ValueError, match=r"this PEFT model's (PROMPT|PREFIX)_TUNING adds its virtual tokens .*in "
+                                         r"prepare_inputs_for_generation.*output would be the base model's"):
+        wrapped.generate(input_ids=PROMPT, max_new_tokens=5, do_sample=False, assistant_model=make_speculator(base),
+                         speculation="xpress")
+
+
+def test_an_activated_lora_is_refused():
+    """aLoRA applies its weights to a fixed number of each forward's last tokens (those after its invocation in the
+    prompt): every one-token decoding step gets them, a verify forward's first tokens would not. It gave other tokens
+    than plain generate without a word; refused now."""
+    import peft
+
+    base = make_successor_target()
+    config = peft.LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+                             init_lora_weights=False, alora_invocation_tokens=[7, 2])
+    wrapped = peft.get_peft_model(base, config).eval()
+    hf_specdiff.enable(wrapped.get_base_model())
+    with pytest.raises(ValueError, match=r"activated LoRA adapter 'default' \(alora_invocation_tokens\)"):
+        wrapped.generate(input_ids=torch.tensor([[5, 9, 3, 7, 2]]), max_new_tokens=8, do_sample=False,
+                         assistant_model=make_speculator(base, oracle=True), speculation="xpress")
+
+
+def test_a_replaced_prepare_inputs_for_generation_is_refused(target, speculator):
+    """Whatever a replacement set on the model adds to the forward's inputs, the loop would drop it."""
+    original = target.prepare_inputs_for_generation
+
+    def with_extra_input(*args, **kwargs):
+        return {**original(*args, **kwargs), "extra": 1}
+
+    target.prepare_inputs_for_generation = with_extra_input
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM.prepare_inputs_for_generation was replaced on this model "
+                                         r"\(by '.*with_extra_input'\).*del model.prepare_inputs_for_generation"):
+        generate(target, speculator)
+    target.prepare_inputs_for_generation = original  # the class's own, bound on the instance (as PEFT leaves it)
+    assert torch.equal(generate(target, speculator, do_sample=False),
+                       target.generate(PROMPT, max_new_tokens=5, do_sample=False))
 
 
 def test_enabling_a_torch_compiled_model_says_to_enable_the_model_it_wraps(speculator):

@@ -514,3 +514,46 @@ def test_refining_fewer_slots_gives_the_same_leading_tokens():
             picker.start_block(anchors, k, VOCAB)
             head, _, _ = jacobi_refine(refiner, logits[:, :k], hidden, anchors, picker, num_passes=2 * block)
             assert torch.equal(head, whole[:, :k])
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+@pytest.mark.parametrize("method", METHODS)
+def test_a_prompt_given_as_embeddings(method, cache):
+    """`inputs_embeds` as the prompt, alone (a soft prompt of two vectors before each row's tokens, as prompt tuning
+    makes: the cache holds more slots than the output has prompt tokens) or beside its `input_ids`, in a left-padded
+    batch and row by row: plain generate's tokens, drafts accepted, and a single row's cache handed back as long as
+    plain generate's. The embeddings are not the tokens' own (each row's last one is another token's), so an output
+    that read the tokens instead would differ."""
+    target = hf_specdiff.enable(make_successor_target())
+    speculator = make_speculator(target, oracle=True)
+    embed = target.get_input_embeddings()
+    rows = [[5, 9, 3, 7], [4, 8], [11]]
+    ids, mask = hf_specdiff.batching.left_pad(rows, 0, "cpu")
+    looks_like = embed(ids).detach()
+    looks_like[:, -1] = embed(torch.tensor([20, 40, 60])).detach()
+    soft = torch.randn(2, looks_like.shape[-1], generator=torch.Generator().manual_seed(0), dtype=looks_like.dtype)
+    soft_prompted = torch.stack([torch.cat([looks_like[i, : 4 - len(r)], soft, looks_like[i, 4 - len(r):]])
+                                 for i, r in enumerate(rows)])
+    soft_mask = torch.cat([mask[:, :0], (torch.arange(6) >= 4 - torch.tensor([len(r) for r in rows])[:, None]).long()], 1)
+    cases = {"ids and embeddings": (dict(input_ids=ids, inputs_embeds=looks_like), mask),
+             "embeddings alone": (dict(inputs_embeds=soft_prompted), soft_mask)}
+    settings = dict(do_sample=False, max_new_tokens=24, cache_implementation=cache)
+    taus = []
+    for case, (prompt, prompt_mask) in cases.items():
+        for index in (slice(None), *[slice(i, i + 1) for i in range(len(rows))]):
+            alone = {k: v[index] for k, v in prompt.items()}
+            row_mask = prompt_mask[index]
+            if index.stop is not None:  # a row alone, its padding cut
+                start = int((row_mask[0] == 0).sum())
+                alone, row_mask = {k: v[:, start:] for k, v in alone.items()}, row_mask[:, start:]
+            plain = target.generate(**alone, attention_mask=row_mask, return_dict_in_generate=True, **settings)
+            if "input_ids" in alone:  # the precondition: the tokens alone would give another output
+                from_ids = target.generate(alone["input_ids"], attention_mask=row_mask, **settings)
+                assert not torch.equal(from_ids, plain.sequences)
+            out = target.generate(**alone, attention_mask=row_mask, assistant_model=speculator, speculation=method,
+                                  return_dict_in_generate=True, **settings)
+            assert torch.equal(out.sequences, plain.sequences), (case, index, method)
+            taus.append(out.speculation.tau)
+            if index.stop is not None and cache is None:
+                assert out.past_key_values.get_seq_length() == plain.past_key_values.get_seq_length()
+    assert method == "dflash" or min(taus) > 1.2  # the oracle add-ons' drafts were accepted in every run
