@@ -111,6 +111,17 @@ RECURRENT_LAYER_TYPES = {"linear_attention", "hybrid", "hybrid_sliding"}  # laye
 STATE_LAYER_TYPES = RECURRENT_LAYER_TYPES | {"conv"}  # layer types whose cache layer keeps a state (conv, recurrent)
 
 
+def hidden_states_request(indices: list[int]) -> bool | list[int]:
+    """What to pass as `output_hidden_states` to get the hidden states at these indices of the output tuple (0: the
+    embeddings). transformers 5.24 on take the indices and keep only those (the others come back as None): a long
+    prompt's prefill then holds len(indices) hidden states rather than one per layer. Earlier versions: all of them."""
+    try:
+        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401 (5.24 on)
+    except ImportError:
+        return True
+    return sorted(set(indices))
+
+
 def recurrent_rollback_supported() -> bool:
     """Whether this transformers' cache can roll back a recurrent state (5.25: `recurrent_states_to_keep`)."""
     from transformers.cache_utils import LinearAttentionCacheLayerMixin

@@ -245,6 +245,8 @@ def speculative_decoding(
     # weights packed for the full batch's anchors and drafts, the width of nearly every verify forward; a compiled
     # forward called inside the mode is traced through it (a graph of its own: dynamo guards on the mode stack).
     verify_layout = few_row_linears(model, packed_rows=input_ids.shape[0] * (drafter.max_drafts + 1))
+    # the target's hidden states the drafter reads, and only those where transformers can select them
+    hidden_states = _compat.hidden_states_request([i + 1 for i in speculator.drafter.config.layer_ids])
     outputs, first = None, True
     while True:
         # 1. Draft and resolve a block per row (nothing on the first pass: the target has not run yet).
@@ -279,14 +281,18 @@ def speculative_decoding(
             if attention_mask is None:
                 attention_mask = fed.new_ones(fed.shape[0], rows.slots + fed.shape[1] - padding)
             attention_mask = torch.nn.functional.pad(attention_mask, (0, room - attention_mask.shape[1]))
-        logits_kwargs = {"logits_to_keep": num_drafts + 1} if "logits_to_keep" in model_kwargs and not static else {}
+        # logits of the positions verified only, where the model can (`generate` then passes logits_to_keep): the
+        # prefill's last one, as plain decoding's prefill (every position of a long prompt would cost prompt x vocab
+        # floats); a static verify forward keeps its fixed width's, so that its compiled call keeps one signature
+        keep = "logits_to_keep" in model_kwargs and (first or not static)
+        logits_kwargs = {"logits_to_keep": num_drafts + 1} if keep else {}
         # the prefill of a prompt given as embeddings reads them (`fed` then holds the prompt's tokens, if any)
         inputs = {"inputs_embeds": prompt_embeds} if first and prompt_embeds is not None else {"input_ids": fed}
         num_fed = prompt_slots if first else fed.shape[1]
         with contextlib.nullcontext() if first else verify_layout:
             outputs = (model if first else verify_forward)(  # the prefill's shape is seen once: never compiled
                 **inputs, position_ids=positions, attention_mask=attention_mask, use_cache=True,
-                output_hidden_states=True, **logits_kwargs, **_compat.cache_kwargs(model, cache),
+                output_hidden_states=hidden_states, **logits_kwargs, **_compat.cache_kwargs(model, cache),
             )
         stats.target_forwards += 1
         if first and cache.get_seq_length() == 0:  # rolled back and fed only new tokens, it would lose the context

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _compat
 from .draft_vocab import VocabRows, draft_read_outs, token_ids_of, top_tokens
 from .markov import markov_decode
 from .speculator import AutoSpeculator, Speculator
@@ -279,8 +280,10 @@ class SpeculatorTrainer(nn.Module):
     @torch.no_grad()
     def target_pass(self, ids, mask):
         """Context features (b, T, F) and the target's logits (b, T, V)."""
-        out = self.target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        return self.speculator.drafter.context_features(out.hidden_states), out.logits
+        drafter = self.speculator.drafter
+        layers = _compat.hidden_states_request([i + 1 for i in drafter.config.layer_ids])  # only those, where it can
+        out = self.target(input_ids=ids, attention_mask=mask, output_hidden_states=layers)
+        return drafter.context_features(out.hidden_states), out.logits
 
     @torch.no_grad()
     def target_probs(self, target_logits, positions, vocab):

@@ -108,20 +108,27 @@ TARGET_FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", TARGET_FAMILIES)
-def test_greedy_equals_plain_across_target_families(family, monkeypatch):
-    """`AutoSpeculator.from_target` builds a drafter for each family, and every method stays lossless on it, with the
-    static cache too. The drafts replay plain greedy's tokens up to a varying slot (a random drafter's are nearly all
-    rejected), so each family's cache is rolled back by every depth."""
+def make_family_target(family):
+    """A tiny fp64 target of the family (TARGET_FAMILIES, STATE_FAMILIES, or "llama"), enabled."""
     import transformers
 
-    config_name, model_name, extra = TARGET_FAMILIES[family]
+    if family in STATE_FAMILIES:
+        return make_state_target(family)
+    config_name, model_name, extra = TARGET_FAMILIES.get(family, ("LlamaConfig", "LlamaForCausalLM", {}))
     torch.manual_seed(0)
     config = getattr(transformers, config_name)(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, bos_token_id=0, pad_token_id=0, eos_token_id=None, tie_word_embeddings=False, **extra,
     )
-    target = hf_specdiff.enable(getattr(transformers, model_name)(config).double().eval())
+    return hf_specdiff.enable(getattr(transformers, model_name)(config).double().eval())
+
+
+@pytest.mark.parametrize("family", TARGET_FAMILIES)
+def test_greedy_equals_plain_across_target_families(family, monkeypatch):
+    """`AutoSpeculator.from_target` builds a drafter for each family, and every method stays lossless on it, with the
+    static cache too. The drafts replay plain greedy's tokens up to a varying slot (a random drafter's are nearly all
+    rejected), so each family's cache is rolled back by every depth."""
+    target = make_family_target(family)
     speculator = make_speculator(target)
     accepted, accepted_static = set(), set()
     for i, prompt in prompts(count=3, seed=2):
@@ -135,6 +142,26 @@ def test_greedy_equals_plain_across_target_families(family, monkeypatch):
                                                         {"cache_implementation": "static"},
                                                         max_new_tokens=10 + 6 * i).accepted_lengths)
     assert len(accepted) >= 5 and len(accepted_static) >= 3, f"too few roll-back depths: {accepted}, {accepted_static}"
+
+
+@pytest.mark.parametrize("family", ["llama", *TARGET_FAMILIES, *STATE_FAMILIES])
+def test_the_hidden_states_the_drafter_reads_are_the_full_forwards(family):
+    """The loop asks the target for the hidden states its drafter reads alone (transformers 5.24 on keep only those:
+    a long prompt's prefill no longer holds one per layer). Whichever layers a drafter reads, last one included (which
+    transformers replaces by the normed output), they are the ones the full request returns, for every family."""
+    from hf_specdiff import _compat
+
+    target = make_family_target(family)
+    every = list(range(1, target.config.get_text_config().num_hidden_layers + 1))
+    request = _compat.hidden_states_request(every)
+    prompt = torch.tensor([[3, 9, 27, 5, 11, 40, 2]])
+    full = target(prompt, output_hidden_states=True).hidden_states
+    selected = target(prompt, output_hidden_states=request).hidden_states
+    assert len(selected) == len(full)
+    for index in every:
+        assert torch.equal(selected[index], full[index]), index
+    if request is not True and family == "llama":  # what the request saves: the embeddings are not kept (a family
+        assert selected[0] is None  # whose forward collects its own hidden states, Mamba's, still returns them all)
 
 
 def test_a_vision_language_target_speculates_on_text_prompts():

@@ -162,6 +162,23 @@ def test_static_cache_greedy_equals_plain_and_dynamic(method):
         assert getattr(dynamic, field).get_seq_length() == plain.shape[1] - 1
 
 
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_the_prefill_reads_out_the_last_position_only(cache):
+    """As plain decoding's prefill: logits for every position of a long prompt would cost prompt x vocab floats (the
+    static loop's prefill asked for them all)."""
+    target = hf_specdiff.enable(make_target())
+    speculator = make_speculator(target)
+    widths = []
+    target.register_forward_hook(lambda module, args, output: widths.append(output.logits.shape[1]))
+    prompt = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=6, cache_implementation=cache)
+    assert widths[0] == 1
+    widths.clear()
+    out = target.generate(prompt, do_sample=False, max_new_tokens=6, cache_implementation=cache,
+                          assistant_model=speculator, speculation="xpress")
+    assert torch.equal(out, plain) and widths[0] == 1 and len(widths) > 1
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
 def test_static_cache_on_a_sliding_window_target(family):
     """A window (5) shorter than a block: the static cache keeps every slot in every layer (a roll-back needs the
