@@ -159,6 +159,27 @@ def first_stop(new_tokens, emitted, rows, stopping_criteria, generation_config, 
     return [min(found) if found else None for found in stops]
 
 
+def prefill_in_chunks(model, prompt: dict, positions, attention_mask, chunk_size: int, **forward_kwargs):
+    """The prompt's forward in chunks of `chunk_size` positions, as `generate(..., prefill_chunk_size=...)` runs it
+    (each chunk attends to the cache and to itself, the mask cut at its end), so that a long prompt's activations are
+    held a chunk at a time. `prompt`: {"input_ids" or "inputs_embeds": (b, P[, H])}.
+
+    Returns (the last chunk's output with the hidden states of the whole prompt, joined per layer; the chunks run)."""
+    (name, values), = prompt.items()
+    hidden_states = None
+    for start in range(0, values.shape[1], chunk_size):
+        end = start + chunk_size
+        outputs = model(**{name: values[:, start:end]}, position_ids=positions[..., start:end],
+                        attention_mask=None if attention_mask is None else attention_mask[:, :end], **forward_kwargs)
+        if hidden_states is None:
+            hidden_states = outputs.hidden_states
+        else:  # (b, n, H), or (streams, b, n, H) for Gemma 3n: positions are the second-to-last dimension
+            hidden_states = tuple(None if old is None else torch.cat([old, new], dim=-2)
+                                  for old, new in zip(hidden_states, outputs.hidden_states))
+    outputs.hidden_states = hidden_states
+    return outputs, -(-values.shape[1] // chunk_size)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The decoding loop (passed to `generate` as `custom_generate`)
 # ----------------------------------------------------------------------------------------------------------------
@@ -177,6 +198,7 @@ def speculative_decoding(
     streamer=None,
     num_jacobi_passes: int | None = None,
     num_draft_tokens: int | None = None,
+    prefill_chunk_length: int | None = None,
     **model_kwargs,
 ):
     """Any batch size, prompts left-padded. Each row accepts its own number of tokens per step and finishes on its own.
@@ -289,12 +311,18 @@ def speculative_decoding(
         # the prefill of a prompt given as embeddings reads them (`fed` then holds the prompt's tokens, if any)
         inputs = {"inputs_embeds": prompt_embeds} if first and prompt_embeds is not None else {"input_ids": fed}
         num_fed = prompt_slots if first else fed.shape[1]
-        with contextlib.nullcontext() if first else verify_layout:
-            outputs = (model if first else verify_forward)(  # the prefill's shape is seen once: never compiled
-                **inputs, position_ids=positions, attention_mask=attention_mask, use_cache=True,
-                output_hidden_states=hidden_states, **logits_kwargs, **_compat.cache_kwargs(model, cache),
-            )
-        stats.target_forwards += 1
+        forward_kwargs = dict(use_cache=True, output_hidden_states=hidden_states, **logits_kwargs,
+                              **_compat.cache_kwargs(model, cache))
+        if first and prefill_chunk_length:
+            outputs, forwards = prefill_in_chunks(model, inputs, positions, attention_mask, prefill_chunk_length,
+                                                  **forward_kwargs)
+            stats.target_forwards += forwards
+        else:
+            with contextlib.nullcontext() if first else verify_layout:
+                outputs = (model if first else verify_forward)(  # the prefill's shape is seen once: never compiled
+                    **inputs, position_ids=positions, attention_mask=attention_mask, **forward_kwargs
+                )
+            stats.target_forwards += 1
         if first and cache.get_seq_length() == 0:  # rolled back and fed only new tokens, it would lose the context
             raise ValueError(
                 f"speculation=... verifies drafts against the target's cache, and {type(model).__name__} keeps nothing "
@@ -604,7 +632,6 @@ _UNSUPPORTED_MODES = {
     "penalty_alpha": "contrastive search",
     "dola_layers": "DoLa decoding",
     "token_healing": "token healing",
-    "prefill_chunk_size": "chunked prefill",
 }
 
 
@@ -790,19 +817,16 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
     # Stop strings need the tokenizer, which transformers does not hand to a custom decoding loop: build the
     # criterion here and hand it over with the user's own criteria.
     tokenizer = kwargs.pop("tokenizer", None)
-    stop_strings = kwargs.get("stop_strings", generation_config.stop_strings)
+    stop_strings = _taken_from_generate(kwargs, generation_config, "stop_strings")
     if stop_strings is not None:
         if tokenizer is None:
             raise ValueError("`stop_strings` needs the tokenizer: pass tokenizer=... to generate.")
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
         criteria.append(StopStringCriteria(tokenizer, stop_strings))
         kwargs["stopping_criteria"] = criteria
-        if "stop_strings" in kwargs or kwargs.get("generation_config") is None \
-                or kwargs["generation_config"].stop_strings is None:  # (the last: generate would refill the model's)
-            kwargs["stop_strings"] = None
-        else:  # cleared in a copy of the config: a keyword beside a config draws transformers' deprecation warning
-            kwargs["generation_config"] = copy.copy(kwargs["generation_config"])
-            kwargs["generation_config"].stop_strings = None
+    # The loop chunks the prefill itself (`prefill_in_chunks`); transformers, told of it, would allocate its own static
+    # cache up front for a chunked prefill it does not run here (the loop keeps its own static caches).
+    prefill_chunk_size = _taken_from_generate(kwargs, generation_config, "prefill_chunk_size")
 
     loop = functools.partial(
         speculative_decoding,
@@ -811,8 +835,24 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
         streamer=kwargs.pop("streamer", None),
         num_jacobi_passes=num_jacobi_passes,
         num_draft_tokens=num_draft_tokens,
+        prefill_chunk_length=prefill_chunk_size,  # (generate hands the loop its own prefill_chunk_size=None)
     )
     return generate(model, *args, custom_generate=loop, **kwargs)
+
+
+def _taken_from_generate(kwargs: dict, generation_config, name: str):
+    """The value of generation option `name` for this call (`generation_config`: the effective one), taken out of what
+    `generate` will see: the loop handles it itself."""
+    value = kwargs.get(name, getattr(generation_config, name))
+    if value is None:
+        return None
+    if name in kwargs or kwargs.get("generation_config") is None \
+            or getattr(kwargs["generation_config"], name) is None:  # (the last: generate would refill the model's)
+        kwargs[name] = None
+    else:  # cleared in a copy of the config: a keyword beside a config draws transformers' deprecation warning
+        kwargs["generation_config"] = copy.copy(kwargs["generation_config"])
+        setattr(kwargs["generation_config"], name, None)
+    return value
 
 
 def _effective_generation_config(model, kwargs: dict) -> GenerationConfig:

@@ -66,7 +66,6 @@ def generate(target, speculator, **kwargs):
         # refused before transformers heals tokens (it would ask for a tokenizer, even one that was passed)
         (dict(token_healing=True), "speculation=... does not support token healing; remove `token_healing`"),
         (dict(token_healing=True, tokenizer=object()), "speculation=... does not support token healing"),
-        (dict(prefill_chunk_size=4), "chunked prefill"),
     ],
 )
 def test_unsupported_generate_arguments(target, speculator, kwargs, message):

@@ -134,3 +134,15 @@ def test_draft_vocab_ab_reports_coverage_and_every_variant_lossless(tmp_path):
     assert "answers.jsonl: N=3 0.6000  N=64 1.0000" in out  # 5 tokens, as frequent: the 3 lowest ids, then all
     table = [line.split() for line in out.splitlines() if line.startswith("xpress ")]
     assert [row[1] for row in table] == ["full", "N=3", "N=64"] and all(row[-1] == "0" for row in table)
+
+
+@pytest.mark.slow
+def test_prefill_memory_prints_one_row_per_configuration():
+    script = NOTEBOOK.parent / "prefill_memory.py"
+    out = subprocess.run([sys.executable, str(script), "--prompt-tokens", "64", "--new-tokens", "2", "--methods", "ar",
+                          "xpress", "--caches", "dynamic", "--chunks", "0", "16"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    rows = [line.split() for line in out[2:]]
+    assert [row[:3] for row in rows] == [["ar", "dynamic", "-"], ["ar", "dynamic", "16"], ["xpress", "dynamic", "-"],
+                                         ["xpress", "dynamic", "16"]]
+    assert all(float(row[3]) >= 0 for row in rows)
