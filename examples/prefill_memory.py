@@ -4,7 +4,8 @@ The speculative loop holds more than plain decoding during the prefill: the targ
 drafter reads, the drafter's context features and its cache of the prompt. Each configuration runs in a fresh process
 (a high-water mark is per process): it loads the embedded target and the shipped speculator (float32), generates once
 from a short prompt to warm up, then `--new-tokens` tokens greedily after a prompt of `--prompt-tokens` random tokens,
-and reports the growth of its peak resident memory over the warm-up's. glibc is told to return large blocks to the
+and reports how far its resident memory rose during that call above what it held before it (Linux: the
+high-water mark, reset before the call). glibc is told to return large blocks to the
 system at once (`MALLOC_MMAP_THRESHOLD_`, one arena), so that the peak follows what tensors hold rather than what
 the allocator kept; without that the figures vary by a hundred MB from run to run.
 
@@ -17,13 +18,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import resource
 import subprocess
 import sys
 
 
+def memory_kb(field: str) -> int:
+    """VmRSS (resident now) or VmHWM (resident at most, since the last reset) of this process, in kB."""
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith(field + ":")).split()[1])
+
+
 def measure(method: str, cache: str, prompt_tokens: int, new_tokens: int, chunk: int) -> float:
-    """MB of peak resident memory that one generate call adds (run in this process)."""
+    """MB of peak resident memory that one generate call adds to what the process held when it started (Linux)."""
     import torch
 
     import hf_specdiff
@@ -38,9 +44,11 @@ def measure(method: str, cache: str, prompt_tokens: int, new_tokens: int, chunk:
     prompt = torch.randint(100, 40_000, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         target.generate(prompt[:, :16], **settings)
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # the high-water mark starts again from what is resident now
+        before = memory_kb("VmRSS")
         target.generate(prompt, **settings)
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KB on Linux
+    return (memory_kb("VmHWM") - before) / 1024
 
 
 def main(argv=None) -> None:

@@ -263,7 +263,9 @@ class RowBatch:
             index = torch.tensor(remaining, device=self.tokens.device)
             _compat.select_cache_rows(cache, index)
             drafter.select_rows(index)
-            outputs.hidden_states = tuple(h if h is None else h[index.to(h.device)] for h in outputs.hidden_states)
+            # rows are dimension -3: (b, n, H), or (streams, b, n, H) for Gemma 3n
+            outputs.hidden_states = tuple(h if h is None else h.index_select(-3, index.to(h.device))
+                                          for h in outputs.hidden_states)
             self.rows = [self.rows[i] for i in remaining]
             self.lengths = [self.lengths[i] for i in remaining]
             self.valid = [self.valid[i] for i in remaining]

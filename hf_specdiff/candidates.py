@@ -190,7 +190,7 @@ class SpeculationStats:
     drafted_lengths: list[int] = field(default_factory=list)  # draft tokens offered per verify step and row
     drafted_tokens: int = 0
     accepted_tokens: int = 0  # draft tokens the target accepted (bonus tokens excluded)
-    target_forwards: int = 0  # prefill included; one per verify step, whatever the batch size
+    target_forwards: int = 0  # the prefill (one, chunked or not), then one per verify step, whatever the batch size
     refine_passes: list[int] = field(default_factory=list)  # Jacobi passes per (batched) block (xpress)
     accepted_draft_lengths: list[int] = field(default_factory=list)  # drafts accepted and kept per verify step and row
     blocks: int = 0  # (batched) blocks drafted, the first included

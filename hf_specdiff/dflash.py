@@ -219,6 +219,9 @@ class DFlashDraftModel(PreTrainedModel):
         A target that stacks parallel residual streams in each hidden state (Gemma 3n's AltUp: (streams, b, n, H))
         is read at its first, the active stream of Gemma 3n's configs (`altup_active_idx` 0)."""
         layers = [target_hidden_states[i + 1] for i in self.config.layer_ids]
+        if missing := [i for i, h in zip(self.config.layer_ids, layers) if h is None]:
+            raise ValueError(f"The target returned no hidden states for layers {missing}, which this drafter reads: its "
+                             "config counts fewer layers than its forward runs. Check the drafter's target_layer_ids.")
         return torch.cat([(h[0] if h.dim() == 4 else h)[:, :num_tokens] for h in layers], dim=-1)
 
     def forward(

@@ -159,25 +159,30 @@ def first_stop(new_tokens, emitted, rows, stopping_criteria, generation_config, 
     return [min(found) if found else None for found in stops]
 
 
-def prefill_in_chunks(model, prompt: dict, positions, attention_mask, chunk_size: int, **forward_kwargs):
+def prefill_in_chunks(model, prompt: dict, positions, attention_mask, chunk_size: int, mask_covers_cache: bool = True,
+                      **forward_kwargs):
     """The prompt's forward in chunks of `chunk_size` positions, as `generate(..., prefill_chunk_size=...)` runs it
-    (each chunk attends to the cache and to itself, the mask cut at its end), so that a long prompt's activations are
-    held a chunk at a time. `prompt`: {"input_ids" or "inputs_embeds": (b, P[, H])}.
+    (each chunk attends to the cache and to itself, the mask cut at its end; a model without keys to mask,
+    `mask_covers_cache=False`, reads the mask of the chunk's own tokens), so that a long prompt's activations are held
+    a chunk at a time. `prompt`: {"input_ids" or "inputs_embeds": (b, P[, H])}.
 
-    Returns (the last chunk's output with the hidden states of the whole prompt, joined per layer; the chunks run)."""
+    Returns the last chunk's output, with the hidden states of the whole prompt (each written into place as its chunk
+    comes, so that they are held once)."""
     (name, values), = prompt.items()
-    hidden_states = None
-    for start in range(0, values.shape[1], chunk_size):
-        end = start + chunk_size
-        outputs = model(**{name: values[:, start:end]}, position_ids=positions[..., start:end],
-                        attention_mask=None if attention_mask is None else attention_mask[:, :end], **forward_kwargs)
-        if hidden_states is None:
-            hidden_states = outputs.hidden_states
-        else:  # (b, n, H), or (streams, b, n, H) for Gemma 3n: positions are the second-to-last dimension
-            hidden_states = tuple(None if old is None else torch.cat([old, new], dim=-2)
-                                  for old, new in zip(hidden_states, outputs.hidden_states))
+    length, hidden_states = values.shape[1], None
+    for start in range(0, length, chunk_size):
+        end = min(start + chunk_size, length)
+        mask = None if attention_mask is None else attention_mask[:, 0 if mask_covers_cache else start : end]
+        outputs = model(**{name: values[:, start:end]}, position_ids=positions[..., start:end], attention_mask=mask,
+                        **forward_kwargs)
+        if hidden_states is None:  # (b, n, H), or (streams, b, n, H) for Gemma 3n: positions are dimension -2
+            hidden_states = tuple(None if h is None else h.new_empty(*h.shape[:-2], length, h.shape[-1])
+                                  for h in outputs.hidden_states)
+        for whole, chunk in zip(hidden_states, outputs.hidden_states):
+            if whole is not None:
+                whole[..., start:end, :] = chunk
     outputs.hidden_states = hidden_states
-    return outputs, -(-values.shape[1] // chunk_size)
+    return outputs
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -268,7 +273,7 @@ def speculative_decoding(
     # forward called inside the mode is traced through it (a graph of its own: dynamo guards on the mode stack).
     verify_layout = few_row_linears(model, packed_rows=input_ids.shape[0] * (drafter.max_drafts + 1))
     # the target's hidden states the drafter reads, and only those where transformers can select them
-    hidden_states = _compat.hidden_states_request([i + 1 for i in speculator.drafter.config.layer_ids])
+    hidden_states_request = _compat.hidden_states_request([i + 1 for i in speculator.drafter.config.layer_ids])
     outputs, first = None, True
     while True:
         # 1. Draft and resolve a block per row (nothing on the first pass: the target has not run yet).
@@ -311,18 +316,17 @@ def speculative_decoding(
         # the prefill of a prompt given as embeddings reads them (`fed` then holds the prompt's tokens, if any)
         inputs = {"inputs_embeds": prompt_embeds} if first and prompt_embeds is not None else {"input_ids": fed}
         num_fed = prompt_slots if first else fed.shape[1]
-        forward_kwargs = dict(use_cache=True, output_hidden_states=hidden_states, **logits_kwargs,
+        forward_kwargs = dict(use_cache=True, output_hidden_states=hidden_states_request, **logits_kwargs,
                               **_compat.cache_kwargs(model, cache))
-        if first and prefill_chunk_length:
-            outputs, forwards = prefill_in_chunks(model, inputs, positions, attention_mask, prefill_chunk_length,
-                                                  **forward_kwargs)
-            stats.target_forwards += forwards
+        if first and prefill_chunk_length:  # (counted as one target forward, the prefill)
+            outputs = prefill_in_chunks(model, inputs, positions, attention_mask, prefill_chunk_length, masks_keys,
+                                        **forward_kwargs)
         else:
             with contextlib.nullcontext() if first else verify_layout:
                 outputs = (model if first else verify_forward)(  # the prefill's shape is seen once: never compiled
                     **inputs, position_ids=positions, attention_mask=attention_mask, **forward_kwargs
                 )
-            stats.target_forwards += 1
+        stats.target_forwards += 1
         if first and cache.get_seq_length() == 0:  # rolled back and fed only new tokens, it would lose the context
             raise ValueError(
                 f"speculation=... verifies drafts against the target's cache, and {type(model).__name__} keeps nothing "
@@ -817,7 +821,7 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
     # Stop strings need the tokenizer, which transformers does not hand to a custom decoding loop: build the
     # criterion here and hand it over with the user's own criteria.
     tokenizer = kwargs.pop("tokenizer", None)
-    stop_strings = _taken_from_generate(kwargs, generation_config, "stop_strings")
+    stop_strings = _taken_from_generate(model, kwargs, generation_config, "stop_strings")
     if stop_strings is not None:
         if tokenizer is None:
             raise ValueError("`stop_strings` needs the tokenizer: pass tokenizer=... to generate.")
@@ -826,7 +830,9 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
         kwargs["stopping_criteria"] = criteria
     # The loop chunks the prefill itself (`prefill_in_chunks`); transformers, told of it, would allocate its own static
     # cache up front for a chunked prefill it does not run here (the loop keeps its own static caches).
-    prefill_chunk_size = _taken_from_generate(kwargs, generation_config, "prefill_chunk_size")
+    prefill_chunk_size = _taken_from_generate(model, kwargs, generation_config, "prefill_chunk_size")
+    if prefill_chunk_size is not None and not (isinstance(prefill_chunk_size, int) and prefill_chunk_size > 0):
+        raise ValueError(f"prefill_chunk_size={prefill_chunk_size!r}: give a positive number of tokens per chunk.")
 
     loop = functools.partial(
         speculative_decoding,
@@ -835,19 +841,22 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
         streamer=kwargs.pop("streamer", None),
         num_jacobi_passes=num_jacobi_passes,
         num_draft_tokens=num_draft_tokens,
-        prefill_chunk_length=prefill_chunk_size,  # (generate hands the loop its own prefill_chunk_size=None)
+        # (a name of its own: `generate` hands the loop the cleared prefill_chunk_size=None among the model inputs)
+        prefill_chunk_length=prefill_chunk_size,
     )
     return generate(model, *args, custom_generate=loop, **kwargs)
 
 
-def _taken_from_generate(kwargs: dict, generation_config, name: str):
+def _taken_from_generate(model, kwargs: dict, generation_config, name: str):
     """The value of generation option `name` for this call (`generation_config`: the effective one), taken out of what
-    `generate` will see: the loop handles it itself."""
+    `generate` will see: the loop handles it itself. `generate` fills what a passed config leaves unset from the
+    model's own config and then applies its keyword arguments: a keyword None clears it whatever the configs hold."""
     value = kwargs.get(name, getattr(generation_config, name))
     if value is None:
         return None
-    if name in kwargs or kwargs.get("generation_config") is None \
-            or getattr(kwargs["generation_config"], name) is None:  # (the last: generate would refill the model's)
+    passed = kwargs.get("generation_config")
+    if name in kwargs or passed is None or getattr(passed, name) is None \
+            or getattr(model.generation_config, name, None) is not None:
         kwargs[name] = None
     else:  # cleared in a copy of the config: a keyword beside a config draws transformers' deprecation warning
         kwargs["generation_config"] = copy.copy(kwargs["generation_config"])

@@ -668,5 +668,27 @@ def test_a_chunked_prefill_drafts_from_the_whole_prompt(cache, record_drafts):
             chunks = -(-ids.shape[1] // chunk)
             assert widths[:chunks] == [min(chunk, ids.shape[1] - start) for start in range(0, ids.shape[1], chunk)]
             assert max(widths[chunks:]) <= speculator.drafter.config.block_size
-            assert out.speculation.target_forwards == len(widths)  # each chunk counts as a forward
+            assert out.speculation.target_forwards == len(widths) - chunks + 1  # the prefill counts once
     assert len(record_drafts) > 10
+
+
+@pytest.mark.parametrize("family", ["gemma3n", "mamba", "qwen3_5", "gemma3"])
+def test_a_chunked_prefill_on_other_layer_kinds(family):
+    """Chunks over a padded batch: Gemma 3n's stacked streams (hidden states (streams, b, n, H)), a model of state
+    layers alone (Mamba: its mask covers the chunk's tokens, not the cache), a hybrid, sliding windows. Plain
+    generate's batched tokens, without chunks (plain chunked generate fails on Mamba's batch), also when a row leaves
+    the batch early."""
+    from test_greedy import make_family_target
+
+    target = make_family_target(family)
+    speculator = make_speculator(target)
+    ids, mask = left_pad(next(ragged_batches(count=1, size=3, seed=5, max_length=14)))
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10)
+    out = speculate(target, speculator, "xpress", ids, mask, do_sample=False, max_new_tokens=10, prefill_chunk_size=3)
+    assert torch.equal(out.sequences, plain)
+    # the first row ends early at an EOS (its third token) and leaves the batch: the others' hidden states stay theirs
+    stop = dict(eos_token_id=int(plain[0, ids.shape[1] + 2]), pad_token_id=PAD, do_sample=False, max_new_tokens=10)
+    plain = target.generate(ids, attention_mask=mask, **stop)
+    assert (plain[1:, ids.shape[1] + 3 :] != PAD).any(), "another row should outlive the first"
+    out = speculate(target, speculator, "xpress", ids, mask, prefill_chunk_size=3, **stop)
+    assert torch.equal(out.sequences, plain)

@@ -65,6 +65,7 @@ def generate(target, speculator, **kwargs):
          r"inputs_embeds \(1, 7, 64\) and input_ids \(1, 5\). Pass input_ids of the same length, or none"),
         # refused before transformers heals tokens (it would ask for a tokenizer, even one that was passed)
         (dict(token_healing=True), "speculation=... does not support token healing; remove `token_healing`"),
+        (dict(prefill_chunk_size=0), "prefill_chunk_size=0: give a positive number of tokens per chunk"),
         (dict(token_healing=True, tokenizer=object()), "speculation=... does not support token healing"),
     ],
 )

@@ -160,8 +160,19 @@ def test_the_hidden_states_the_drafter_reads_are_the_full_forwards(family):
     assert len(selected) == len(full)
     for index in every:
         assert torch.equal(selected[index], full[index]), index
-    if request is not True and family == "llama":  # what the request saves: the embeddings are not kept (a family
-        assert selected[0] is None  # whose forward collects its own hidden states, Mamba's, still returns them all)
+    if request is not True and family == "llama":  # what a request saves (a family whose forward collects its own
+        # hidden states, Mamba's, still returns them all): the first and last layers asked, nothing else kept
+        sparse = target(prompt, output_hidden_states=_compat.hidden_states_request([1, every[-1]])).hidden_states
+        assert [i for i, h in enumerate(sparse) if h is not None] == [1, every[-1]]
+        assert torch.equal(sparse[1], full[1]) and torch.equal(sparse[-1], full[-1])
+        # and the loop asks for its drafter's layers alone
+        speculator = make_speculator(target)
+        asked = []
+        target.register_forward_pre_hook(lambda m, args, kwargs: asked.append(kwargs["output_hidden_states"]),
+                                         with_kwargs=True)
+        target.generate(prompt, do_sample=False, max_new_tokens=6, assistant_model=speculator, speculation="xpress")
+        layers = sorted(i + 1 for i in speculator.drafter.config.layer_ids)
+        assert len(asked) > 1 and all(request == layers for request in asked)
 
 
 def test_a_vision_language_target_speculates_on_text_prompts():
@@ -367,6 +378,13 @@ def test_generate_arguments_passed_by_position_act_as_passed_by_keyword():
     plain = target.generate(prompt, generation_config=passed, tokenizer=tokenizer)
     assert plain[0, 3:].tolist() == [22, 23, 24]
     assert torch.equal(target.generate(prompt, generation_config=passed, tokenizer=tokenizer, **spec), plain)
+    # both configs set them: the passed config's are the ones (they failed for want of the tokenizer, which the loop
+    # had taken, when only the passed config's were cleared and transformers refilled the model's)
+    target.generation_config.stop_strings = ["zzz"]
+    passed = GenerationConfig(do_sample=False, max_new_tokens=12, stop_strings=["mno"])
+    plain = target.generate(prompt, generation_config=passed, tokenizer=tokenizer)
+    assert plain[0, 3:].tolist() == [22, 23, 24]
+    assert torch.equal(target.generate(prompt, generation_config=passed, tokenizer=tokenizer, **spec), plain)
     target.generation_config.stop_strings = None
     for option, value, message in (("prompt_lookup_num_tokens", 3, "remove `prompt_lookup_num_tokens`"),
                                    ("assistant_confidence_threshold", 0.3, "remove `assistant_confidence_threshold`"),
@@ -561,7 +579,7 @@ def test_a_prompt_given_as_embeddings(method, cache):
     soft = torch.randn(2, looks_like.shape[-1], generator=torch.Generator().manual_seed(0), dtype=looks_like.dtype)
     soft_prompted = torch.stack([torch.cat([looks_like[i, : 4 - len(r)], soft, looks_like[i, 4 - len(r):]])
                                  for i, r in enumerate(rows)])
-    soft_mask = torch.cat([mask[:, :0], (torch.arange(6) >= 4 - torch.tensor([len(r) for r in rows])[:, None]).long()], 1)
+    soft_mask = (torch.arange(6) >= 4 - torch.tensor([len(r) for r in rows])[:, None]).long()
     cases = {"ids and embeddings": (dict(input_ids=ids, inputs_embeds=looks_like), mask),
              "embeddings alone": (dict(inputs_embeds=soft_prompted), soft_mask)}
     settings = dict(do_sample=False, max_new_tokens=24, cache_implementation=cache)
