@@ -680,6 +680,8 @@ def test_a_chunked_prefill_on_other_layer_kinds(family):
     the batch early."""
     from test_greedy import make_family_target
 
+    if family in STATE_FAMILIES and family not in CONV_STATE_FAMILIES and not _compat.recurrent_rollback_supported():
+        pytest.skip("a recurrent state rolls back from transformers 5.25 on (refusal: test_greedy.py)")
     target = make_family_target(family)
     speculator = make_speculator(target)
     ids, mask = left_pad(next(ragged_batches(count=1, size=3, seed=5, max_length=14)))
