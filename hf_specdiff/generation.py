@@ -264,7 +264,7 @@ def speculative_decoding(
     rows = RowBatch(input_ids, model_kwargs.get("attention_mask"), generation_config, pad_after_stop=has_eos_criterion,
                     attention_windows=attention_windows, mask_dtype=model.dtype,
                     compact_every_step=model.config.get_text_config().model_type in _SLOT_DISTANCE_MODEL_TYPES,
-                    keep_finished_rows=static, prompt_slots=prompt_slots)
+                    keep_finished_rows=static or _rows_named_per_forward(model), prompt_slots=prompt_slots)
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
@@ -619,6 +619,15 @@ _ASSISTED_DECODING_OPTIONS = (
     "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "assistant_early_exit", "use_mtp",
     "assistant_ensemble_weight",
 )
+
+
+def _rows_named_per_forward(model) -> bool:
+    """Whether hooks hand the target's layers one argument per batch row, fixed for the whole `generate`: PEFT's
+    mixed-adapter batches (`peft_model.generate(adapter_names=[...])`) set a hook on every LoRA layer that passes the
+    list to each forward, and the layers refuse a batch of another size. Rows that finished then stay in the batch
+    (emitting nothing, as with a static cache), so that row i of every forward is still the row the list names."""
+    return any("adapter_names" in (getattr(hook, "keywords", None) or {})
+               for module in model.modules() for hook in module._forward_pre_hooks.values())
 
 
 def _check_not_assisted(generation_config, call_arguments: dict) -> None:

@@ -278,6 +278,39 @@ def test_rows_finish_at_different_steps_and_leave_the_batch(method, record_draft
         assert out.speculation.row_accepted_lengths[0] == [6]
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_peft_mixed_adapter_batch_keeps_each_row_on_its_adapter(method):
+    """`peft_model.generate(adapter_names=[...])` runs each row through its own LoRA adapter: a hook hands the list to
+    every LoRA layer's forward, which refuses a batch of another size. Rows that finish stay in the batch (the loop
+    crashed when one left), and each row gets what plain generate gives it with the same list, and what it gets alone
+    with its adapter."""
+    import peft
+
+    base = make_successor_target(eos_token_id=5)
+    lora = dict(r=4, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], init_lora_weights=False)
+    wrapped = peft.get_peft_model(base, peft.LoraConfig(**lora), adapter_name="a")
+    wrapped.add_adapter("b", peft.LoraConfig(**lora))
+    wrapped.eval()
+    hf_specdiff.enable(base)
+    speculator = make_speculator(base, oracle=True)
+    prompts = [torch.tensor([5, 9, 3, 7, 2]), torch.tensor([4, 9, 1, 33, 7, 12, 15])]
+    ids, mask = left_pad(prompts)
+    names = ["a", "b"]
+    options = dict(do_sample=False, max_new_tokens=20, adapter_names=names)
+    plain = wrapped.generate(input_ids=ids, attention_mask=mask, **options)
+    generated = plain[:, ids.shape[1]:]
+    assert not (generated[0] == 5).any() and generated[1, 1] == 5  # row "b" finishes on its second token
+    out = wrapped.generate(input_ids=ids, attention_mask=mask, assistant_model=speculator, speculation=method,
+                           **options)
+    assert torch.equal(out, plain), f"{out.tolist()}\n!=\n{plain.tolist()}"
+    for row, (prompt, name) in enumerate(zip(prompts, names)):
+        options.update(adapter_names=[name])
+        alone = wrapped.generate(input_ids=prompt[None], assistant_model=speculator, speculation=method, **options)
+        other = wrapped.generate(input_ids=prompt[None], **{**options, "adapter_names": [names[1 - row]]})
+        assert torch.equal(plain[row, ids.shape[1] - len(prompt):][: alone.shape[1]], alone[0])
+        assert not torch.equal(alone, other)  # the adapters differ: a row on the wrong one would be caught
+
+
 def test_a_static_batch_keeps_its_rows_and_its_shapes(monkeypatch):
     """cache_implementation="static" with a batch: rows finish at different steps (EOS inside a block, or
     max_new_tokens) and stay in the batch, so that every verify forward after the prefill has the same inputs' shapes
