@@ -29,6 +29,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from . import _compat
 from ._attention import grouped_query_attention
 
 
@@ -212,6 +213,11 @@ class DFlashDraftModel(PreTrainedModel):
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    def target_hidden_states_request(self) -> bool | list[int]:
+        """What the target's forward takes as `output_hidden_states` to return the hidden states `context_features`
+        reads (layer i's output is at index i + 1 of the tuple), and only those where transformers can select them."""
+        return _compat.hidden_states_request([i + 1 for i in self.config.layer_ids])
 
     def context_features(self, target_hidden_states, num_tokens: int | None = None) -> torch.Tensor:
         """Concatenate the target layers this drafter reads: (b, n, len(layer_ids) * H). `target_hidden_states` is

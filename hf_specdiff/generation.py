@@ -273,7 +273,7 @@ def speculative_decoding(
     # forward called inside the mode is traced through it (a graph of its own: dynamo guards on the mode stack).
     verify_layout = few_row_linears(model, packed_rows=input_ids.shape[0] * (drafter.max_drafts + 1))
     # the target's hidden states the drafter reads, and only those where transformers can select them
-    hidden_states_request = _compat.hidden_states_request([i + 1 for i in speculator.drafter.config.layer_ids])
+    hidden_states_request = speculator.drafter.target_hidden_states_request()
     outputs, first = None, True
     while True:
         # 1. Draft and resolve a block per row (nothing on the first pass: the target has not run yet).
@@ -372,8 +372,9 @@ def speculative_decoding(
         if rows.all_finished:
             break
 
-        # 6. Roll back: finished rows leave the batch (a static batch keeps them, holding no new slot); each row keeps [anchor, accepted] in the target cache (the slots
-        #    no row kept are cropped, the others' rejected ones masked); its bonus token is its next anchor.
+        # 6. Roll back: finished rows leave the batch (a static batch keeps them, holding no new slot); each row keeps
+        #    [anchor, accepted] in the target cache (the slots no row kept are cropped, the others' rejected ones
+        #    masked); its bonus token is its next anchor.
         outputs = rows.roll_back(cache, drafter, outputs, num_fed, None if first else emitted)
         first = False
 
@@ -595,13 +596,13 @@ def _check_wrapping(model) -> None:
         return  # the class's own, bound on the instance (PEFT puts it back so after its generate)
     peft_config = getattr(owner, "active_peft_config", None)
     if peft_config is not None and not peft_config.is_prompt_learning:
-        return  # LoRA and its kin act through the wrapped layers; their wrapper's replacement only calls the model's own
+        return  # LoRA and its kin act through the wrapped layers; their wrapper's replacement calls the model's own
     if peft_config is not None:
         raise ValueError(
             f"speculation=... builds the target's inputs itself, and this PEFT model's {peft_config.peft_type.value} "
             "adds its virtual tokens (or prefix keys and values) in prepare_inputs_for_generation, which the loop does "
-            "not call: the output would be the base model's. Generate without speculation (PEFT adapters that change the weights, such as LoRA, "
-            "do work)."
+            "not call: the output would be the base model's. Generate without speculation (PEFT adapters that change "
+            "the weights, such as LoRA, do work)."
         )
     raise ValueError(
         f"speculation=... builds the target's inputs itself, and {type(model).__name__}.prepare_inputs_for_generation "

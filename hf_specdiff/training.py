@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _compat
 from .draft_vocab import VocabRows, draft_read_outs, token_ids_of, top_tokens
 from .markov import markov_decode
 from .speculator import AutoSpeculator, Speculator
@@ -281,7 +280,7 @@ class SpeculatorTrainer(nn.Module):
     def target_pass(self, ids, mask):
         """Context features (b, T, F) and the target's logits (b, T, V)."""
         drafter = self.speculator.drafter
-        layers = _compat.hidden_states_request([i + 1 for i in drafter.config.layer_ids])  # only those, where it can
+        layers = drafter.target_hidden_states_request()
         out = self.target(input_ids=ids, attention_mask=mask, output_hidden_states=layers)
         return drafter.context_features(out.hidden_states), out.logits
 
@@ -450,8 +449,8 @@ class StepPlan:
     reaches: earlier when the pace slowed, later (never past `max_steps`) when it quickened, so that a slow start does
     not leave the rest of the budget unused. The learning-rate schedule reads the last step when it is asked, so a cut
     run still warms up and decays to its end (the warm-up shrinks to a tenth of a cut run if it was longer, and never
-    grows back; a moved cut reshapes the decay from there on). The plan is saved with each checkpoint: a resumed run that a budget cut keeps
-    its cut as its end (a run that was not cut may be resumed with a larger max_steps), and with a budget times
+    grows back; a moved cut reshapes the decay from there on). The plan is saved with each checkpoint: a resumed run
+    that a budget cut keeps its cut as its end (a run that was not cut may be resumed with a larger max_steps), and with a budget times
     itself again, from the start of that call, and may end sooner.
     The clock starts when the plan is made: at the start of the trainer's call, so loading counts. With several
     processes, `agree` turns each one's cut into one they all keep (the earliest), so they stop together.
