@@ -452,6 +452,26 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         candidate_ids = append_ragged(input_ids, sequence_lengths, tokens[:, :num_drafts].to(input_ids.device))
         return candidate_ids, full_width(q[:, :num_drafts], self.draft_token_ids, self.vocab_size)
 
+    def cache_prompt_chunk(self, target_hidden_states, start: int, prompt_mask: torch.Tensor | None) -> None:
+        """A chunked prefill's step: write the drafter's context K/V of prompt slots [start, start + n) from the
+        target's hidden states of that chunk (n positions), so that no buffer holds the whole prompt's hidden states
+        or features. The first draft then finds the prompt in the drafter's cache and reads no new context.
+        `prompt_mask` (b, P) marks each row's prompt tokens (None: no padding); positions count them, as in
+        `per_row_positions`."""
+        synchronize(self.device)
+        begin = time.perf_counter()
+        features = self.drafter.context_features(target_hidden_states).to(self.device)
+        batch, n = features.shape[:2]
+        if prompt_mask is None:
+            positions = torch.arange(start, start + n, device=self.device).expand(batch, -1)
+        else:
+            positions = (prompt_mask.to(self.device).cumsum(dim=1)[:, start : start + n] - 1).clamp(min=0)
+        with self._layout(batch):
+            self.drafter.cache_context(features, positions, self.cache)
+        self.cached_context = start + n
+        synchronize(self.device)
+        self.stats.draft_prefill_seconds += time.perf_counter() - begin
+
     def select_rows(self, index: torch.LongTensor) -> None:
         """Keep only these rows of the batch (finished rows leave it)."""
         self.cache.batch_select_indices(index.to(self.device))

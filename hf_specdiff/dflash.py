@@ -152,15 +152,20 @@ class DFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
+    def keys_values(self, x, cos, sin):
+        """Keys (rotated to the positions of cos/sin (b, n, d)) and values of x (b, n, H): (b, kv heads, n, d) each.
+        A context token's depend on its own features alone."""
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, -1, self.head_dim).transpose(1, 2)
+        return _apply_rope(k, cos, sin), v
+
     def forward(self, block, context, cos, sin, key_padding_mask=None, cache=None):
         # block: (b, B, H) queries and keys; context: (b, n, H) keys only; cos/sin: (b, n + B, d)
         b, num_slots, _ = block.shape
-        kv_input = torch.cat([context, block], dim=1)
         q = self.q_norm(self.q_proj(block).view(b, num_slots, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv_input).view(b, kv_input.shape[1], -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(kv_input).view(b, kv_input.shape[1], -1, self.head_dim).transpose(1, 2)
         q = _apply_rope(q, cos[:, -num_slots:], sin[:, -num_slots:])
-        k = _apply_rope(k, cos, sin)
+        k, v = self.keys_values(torch.cat([context, block], dim=1), cos, sin)
         if cache is not None:  # prepend the context K/V of earlier steps
             k, v = cache.update(k, v, self.layer_idx)
         # Non-causal: every slot sees all context and the whole block; only padding is masked.
@@ -229,6 +234,17 @@ class DFlashDraftModel(PreTrainedModel):
             raise ValueError(f"The target returned no hidden states for layers {missing}, which this drafter reads: its "
                              "config counts fewer layers than its forward runs. Check the drafter's target_layer_ids.")
         return torch.cat([(h[0] if h.dim() == 4 else h)[:, :num_tokens] for h in layers], dim=-1)
+
+    def cache_context(self, context_hidden_states: torch.Tensor, position_ids: torch.LongTensor, cache) -> None:
+        """Append the K/V of n new context tokens to `cache` in every layer, drafting nothing: what `forward` would
+        prepend for them. `context_hidden_states` (b, n, len(layer_ids) * H) are their raw target features (as
+        `context_features` gives them), `position_ids` (b, n) their positions. A context token's K/V depend on its own
+        features alone, so a long prompt's can be written chunk by chunk as the target's chunked prefill produces its
+        hidden states, and the whole prompt's features are never held at once."""
+        context = self.hidden_norm(self.fc(context_hidden_states))
+        cos, sin = self.rotary_emb(context, position_ids)
+        for layer in self.layers:
+            cache.update(*layer.self_attn.keys_values(context, cos, sin), layer.self_attn.layer_idx)
 
     def forward(
         self,

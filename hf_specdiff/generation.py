@@ -160,28 +160,22 @@ def first_stop(new_tokens, emitted, rows, stopping_criteria, generation_config, 
 
 
 def prefill_in_chunks(model, prompt: dict, positions, attention_mask, chunk_size: int, mask_covers_cache: bool = True,
-                      **forward_kwargs):
+                      chunk_done=None, **forward_kwargs):
     """The prompt's forward in chunks of `chunk_size` positions, as `generate(..., prefill_chunk_size=...)` runs it
     (each chunk attends to the cache and to itself, the mask cut at its end; a model without keys to mask,
     `mask_covers_cache=False`, reads the mask of the chunk's own tokens), so that a long prompt's activations are held
-    a chunk at a time. `prompt`: {"input_ids" or "inputs_embeds": (b, P[, H])}.
+    a chunk at a time. `prompt`: {"input_ids" or "inputs_embeds": (b, P[, H])}. `chunk_done(hidden_states, start)`
+    takes each chunk's hidden states as it comes (the drafter writes its context K/V from them).
 
-    Returns the last chunk's output, with the hidden states of the whole prompt (each written into place as its chunk
-    comes, so that they are held once)."""
+    Returns the last chunk's output."""
     (name, values), = prompt.items()
-    length, hidden_states = values.shape[1], None
-    for start in range(0, length, chunk_size):
-        end = min(start + chunk_size, length)
+    for start in range(0, values.shape[1], chunk_size):
+        end = min(start + chunk_size, values.shape[1])
         mask = None if attention_mask is None else attention_mask[:, 0 if mask_covers_cache else start : end]
         outputs = model(**{name: values[:, start:end]}, position_ids=positions[..., start:end], attention_mask=mask,
                         **forward_kwargs)
-        if hidden_states is None:  # (b, n, H), or (streams, b, n, H) for Gemma 3n: positions are dimension -2
-            hidden_states = tuple(None if h is None else h.new_empty(*h.shape[:-2], length, h.shape[-1])
-                                  for h in outputs.hidden_states)
-        for whole, chunk in zip(hidden_states, outputs.hidden_states):
-            if whole is not None:
-                whole[..., start:end, :] = chunk
-    outputs.hidden_states = hidden_states
+        if chunk_done is not None:
+            chunk_done(outputs.hidden_states, start)
     return outputs
 
 
@@ -319,8 +313,10 @@ def speculative_decoding(
         forward_kwargs = dict(use_cache=True, output_hidden_states=hidden_states_request, **logits_kwargs,
                               **_compat.cache_kwargs(model, cache))
         if first and prefill_chunk_length:  # (counted as one target forward, the prefill)
+            # the drafter writes its cache of each chunk from the chunk's hidden states as they come
+            write_drafter_cache = functools.partial(drafter.cache_prompt_chunk, prompt_mask=rows.prompt_mask)
             outputs = prefill_in_chunks(model, inputs, positions, attention_mask, prefill_chunk_length, masks_keys,
-                                        **forward_kwargs)
+                                        chunk_done=write_drafter_cache, **forward_kwargs)
         else:
             with contextlib.nullcontext() if first else verify_layout:
                 outputs = (model if first else verify_forward)(  # the prefill's shape is seen once: never compiled

@@ -678,16 +678,25 @@ def test_what_batches_cannot_do_is_refused(small, monkeypatch):
 
 
 @pytest.mark.parametrize("cache", [None, "static"])
-def test_a_chunked_prefill_drafts_from_the_whole_prompt(cache, record_drafts):
+def test_a_chunked_prefill_drafts_from_the_whole_prompt(cache, record_drafts, monkeypatch):
     """`prefill_chunk_size=c` (a long prompt's activations held a chunk at a time): plain chunked generate's tokens,
     in a ragged batch and row by row; no target forward wider than a chunk or a block; and the drafter reads the
-    whole prompt's hidden states, joined from the chunks (the recorder asserts the same drafts and q after the same
-    tokens as without chunks, which a context of the last chunk alone would change)."""
+    whole prompt, its context written into the drafter's cache chunk by chunk (the recorder asserts the same drafts
+    and q after the same tokens as without chunks, which a context of the last chunk alone, or at other positions,
+    would change), never holding the whole prompt's features."""
     target = hf_specdiff.enable(make_target())
     speculator = make_speculator(target)
-    widths = []
+    widths, feature_widths = [], []
     target.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
                                      with_kwargs=True)
+    features = speculator.drafter.context_features
+
+    def recorded_features(*args):
+        built = features(*args)
+        feature_widths.append(built.shape[1])
+        return built
+
+    monkeypatch.setattr(speculator.drafter, "context_features", recorded_features)
     prompts = next(ragged_batches(count=1, size=3, seed=4, max_length=30))
     settings = dict(do_sample=False, max_new_tokens=12, cache_implementation=cache)
     for batch in (prompts, *[[p] for p in prompts]):
@@ -696,8 +705,10 @@ def test_a_chunked_prefill_drafts_from_the_whole_prompt(cache, record_drafts):
         for chunk in (1, 4, 7):
             plain = target.generate(ids, attention_mask=mask, prefill_chunk_size=chunk, **settings)
             widths.clear()
+            feature_widths.clear()
             out = speculate(target, speculator, "xpress", ids, mask, prefill_chunk_size=chunk, **settings)
             assert torch.equal(out.sequences, plain)
+            assert max(feature_widths) <= max(chunk, speculator.drafter.config.block_size)
             chunks = -(-ids.shape[1] // chunk)
             assert widths[:chunks] == [min(chunk, ids.shape[1] - start) for start in range(0, ids.shape[1], chunk)]
             assert max(widths[chunks:]) <= speculator.drafter.config.block_size
