@@ -65,7 +65,9 @@ def main() -> None:
         "read-out F.linear": lambda x: F.linear(x[576], read_out),
         "read-out x @ W^T (W^T stored)": lambda x: x[576] @ read_out_t,
         "read-out (W @ x^T)^T": lambda x: (read_out @ x[576].t()).t(),
-        "read-out packed W": lambda x: torch.ops.mkl._mkl_linear(x[576], packed(read_out, x), read_out, None, len(x[576])),
+        "read-out packed W": lambda x: torch.ops.mkl._mkl_linear(
+            x[576], packed(read_out, x), read_out, None, len(x[576])
+        ),
         "low-rank read-out F.linear": lambda x: F.linear(x[64], low_rank),
         "low-rank read-out (W @ x^T)^T": lambda x: (low_rank @ x[64].t()).t(),
         "draft read-out F.linear": lambda x: F.linear(x[576], draft),

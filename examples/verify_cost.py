@@ -85,15 +85,17 @@ def main():
     def forward_with(call):  # the cache under the name this model's forward expects
         return lambda cache, **kwargs: call(**kwargs, **_compat.cache_kwargs(target, cache))
 
-    dynamic = lambda: prefilled(DynamicCache(config=target.config))
-    setups = {"eager": (forward_with(target), dynamic)}
+    def prefilled_dynamic_cache():
+        return prefilled(DynamicCache(config=target.config))
+
+    setups = {"eager": (forward_with(target), prefilled_dynamic_cache)}
     if isinstance(few_row_linears(target), FewRowLinears):  # as the speculative loop decides
 
         def few_row_layout(cache, **kwargs):
             with few_row_linears(target):
                 return target(**kwargs, **_compat.cache_kwargs(target, cache))
 
-        setups["eager, few-row layout"] = (few_row_layout, dynamic)
+        setups["eager, few-row layout"] = (few_row_layout, prefilled_dynamic_cache)
 
         # on an Intel CPU the loop packs the weights for its verify width (timed here on any CPU, to compare); one
         # context per width, as one per `generate` call
@@ -104,24 +106,28 @@ def main():
                 return target(**kwargs, **_compat.cache_kwargs(target, cache))
 
         if torch.backends.mkl.is_available():
-            setups["eager, weights packed for the width"] = (packed_for_width, dynamic)
+            setups["eager, weights packed for the width"] = (packed_for_width, prefilled_dynamic_cache)
         _cpu_linear.MAX_PACKED_ROW_COUNTS = len(args.widths)  # a pack per width, none dropped between repeats
     if args.compile:
         compiled = target.get_compiled_call(_compat.compile_config_for_all_devices())
-        static = lambda: prefilled(_compat.new_static_cache(target.config, args.context + max(args.widths)))
-        setups["static + compiled"] = (forward_with(compiled), static)
+
+        def prefilled_static_cache():
+            return prefilled(_compat.new_static_cache(target.config, args.context + max(args.widths)))
+
+        setups["static + compiled"] = (forward_with(compiled), prefilled_static_cache)
         if "eager, few-row layout" in setups:  # the same compiled forward called in the mode: traced through it
 
             def compiled_few_row_layout(cache, **kwargs):
                 with few_row_linears(target):
                     return compiled(**kwargs, **_compat.cache_kwargs(target, cache))
 
-            setups["static + compiled, few-row layout"] = (compiled_few_row_layout, static)
+            setups["static + compiled, few-row layout"] = (compiled_few_row_layout, prefilled_static_cache)
         # each width is a graph of its own, and so is each width in the mode: room for all of them
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(args.widths))
 
     print(f"{args.target or 'SmolLM2-135M-Instruct (embedded)'}, {args.device}, {args.dtype}, "
-          f"{args.context} cached tokens; ms per forward (x plain decoding's = tau needed to break even, drafting free)")
+          f"{args.context} cached tokens; ms per forward (x plain decoding's = tau needed to break even, "
+          "drafting free)")
     with torch.inference_mode():
         caches = {name: new_cache() for name, (_, new_cache) in setups.items()}
         seconds = {(name, w): [] for name in setups for w in args.widths}

@@ -34,13 +34,13 @@ registry of this project's machines has no such `kernels`, so 5.25 was tested in
   there (`recurrent_rollback_supported`). Layers of type "conv" (LFM2) keep only a conv state, which every supported
   version's crop restores.
 - Those layers' cache layer (`LinearAttentionCacheLayerMixin`, all three versions) keeps, per state index i,
-  `conv_states[i]` (batch, ..., inputs): while recording, every input since the last crop after the `conv_kernel_size[i]`
-  before; and `recurrent_states[i]` (batch, ...), with, in 5.25, `recurrent_states_history[i]`: the states before
-  each of the forward's recorded tokens. A crop moves every row back alike; a batch's rows kept different numbers
-  of tokens, so `roll_back_rows` puts each row's state back itself. Such a layer has no `batch_select_indices`
-  (5.17 to 5.25; a layer holding both a state and K/V selects only its K/V): `select_cache_rows` selects the states.
-  5.25 counts the layer's tokens in a 0-d `cumulative_length_linear`, which `get_seq_length()` reads when layer 0 is
-  such a layer (5.17 / 5.24 read the first attention layer's length).
+  `conv_states[i]` (batch, ..., inputs): while recording, every input since the last crop after the
+  `conv_kernel_size[i]` before; and `recurrent_states[i]` (batch, ...), with, in 5.25, `recurrent_states_history[i]`:
+  the states before each of the forward's recorded tokens. A crop moves every row back alike; a batch's rows kept
+  different numbers of tokens, so `roll_back_rows` puts each row's state back itself. Such a layer has no
+  `batch_select_indices` (5.17 to 5.25; a layer holding both a state and K/V selects only its K/V): `select_cache_rows`
+  selects the states. 5.25 counts the layer's tokens in a 0-d `cumulative_length_linear`, which `get_seq_length()` reads
+  when layer 0 is such a layer (5.17 / 5.24 read the first attention layer's length).
 - `DynamicCache.layers[i]` holds `keys` / `values` tensors (batch, kv_heads, slots, head_dim) in both (a layer not
   filled yet has none); batched speculation gathers slots per row there (`gather_cache_slots`). A `StaticLayer`
   allocates its tensors (batch, kv_heads, max_cache_len, head_dim) at its first write, with that write's batch size,
@@ -197,10 +197,12 @@ def _states_after(layer, num_fed: int, kept: list[int]) -> tuple[dict, dict]:
         if layer.is_conv_states_initialized[i]:
             inputs = layer.conv_states[i]  # (b, ..., the kernel's inputs before the forward, then its num_fed)
             width = layer.conv_kernel_size[i]
-            if inputs.shape[-1] < width + num_fed:  # a prompt shorter than the kernel: zeros before it, as the conv pads
+            # a prompt shorter than the kernel: zeros before it, as the conv pads
+            if inputs.shape[-1] < width + num_fed:
                 inputs = torch.nn.functional.pad(inputs, (width + num_fed - inputs.shape[-1], 0))
             start = inputs.shape[-1] - num_fed - width  # row r's window: the `width` inputs up to its last kept token
-            window = start + torch.tensor(kept, device=inputs.device)[:, None] + torch.arange(width, device=inputs.device)
+            window = (start + torch.tensor(kept, device=inputs.device)[:, None]
+                      + torch.arange(width, device=inputs.device))
             window = window.view(len(kept), *[1] * (inputs.dim() - 2), width).expand(*inputs.shape[:-1], width)
             conv_states[i] = inputs.gather(-1, window)
         if layer.is_recurrent_states_initialized[i]:
@@ -321,9 +323,9 @@ def reused_static_cache(owner, config, max_cache_len: int, batch_size: int = 1) 
     fixed addresses: a new cache per call would re-record its graphs every call. Kept here, not on the model: nothing
     is parked on the user's objects.
 
-    A cache suits a call made with the same batch size, length and device, the same dtype of keys and values (the model's, or
-    autocast's where autocast is on: the cache's tensors take the dtype of the first keys written), and the same
-    inference mode (tensors made under `torch.inference_mode()` cannot be written outside it)."""
+    A cache suits a call made with the same batch size, length and device, the same dtype of keys and values (the
+    model's, or autocast's where autocast is on: the cache's tensors take the dtype of the first keys written), and the
+    same inference mode (tensors made under `torch.inference_mode()` cannot be written outside it)."""
     device_type = owner.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else owner.dtype
     made_for = (batch_size, max_cache_len, dtype, owner.device, torch.is_inference_mode_enabled())
@@ -339,7 +341,8 @@ def reused_static_cache(owner, config, max_cache_len: int, batch_size: int = 1) 
 
 
 def compile_config(model, generation_config):
-    """The `CompileConfig` `generate` compiles `model`'s forward with: the generation config's, else the model's default."""
+    """The `CompileConfig` `generate` compiles `model`'s forward with: the generation config's, else the model's
+    default."""
     return generation_config.compile_config or model._default_compile_config()
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 def can_only_be_a_path(text: str) -> bool:
     """Whether `text` cannot be a Hub repo id ('name' or 'namespace/name'), so that it can only mean a local path."""
-    return os.path.isabs(text) or text.startswith((".", "~")) or "\\" in text or text.count("/") > 1 or text.endswith("/")
+    return (os.path.isabs(text) or text.startswith((".", "~")) or "\\" in text or text.count("/") > 1
+            or text.endswith("/"))
 
 
 def check_folder_or_repo_id(path_or_repo_id: str | os.PathLike, what: str) -> None:

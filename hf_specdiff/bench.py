@@ -74,7 +74,8 @@ class BenchConfig:
     max_new_tokens: int = field(default=128, metadata={"help": "tokens generated per prompt"})
     batch_size: list[int] = field(default_factory=lambda: [1], metadata={"help": (
         "1 measures prompt by prompt (prefill split out, every method); several (e.g. 1 4 16 32 64) measure the "
-        "batch curve of ar, ar_static, dflash, xpress, markov, dflash_static and xpress_static on left-padded batches")})
+        "batch curve of ar, ar_static, dflash, xpress, markov, dflash_static and xpress_static on left-padded "
+        "batches")})
     temperature: float = field(default=0.0, metadata={"help": (
         "0: greedy, losslessness checked per token; > 0: sampled, checked by a permutation test on log-probabilities")})
     compile: bool | None = field(default=None, metadata={"help": (
@@ -424,8 +425,8 @@ def _check_device(name: str) -> None:
     available = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available,
                  "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available()}.get(device.type, lambda: True)
     if not available():
-        raise ValueError(f"--device {name}: this torch ({torch.__version__}) sees no {device.type} device; use --device "
-                         "cpu, or install the torch build for your accelerator.")
+        raise ValueError(f"--device {name}: this torch ({torch.__version__}) sees no {device.type} device; use "
+                         "--device cpu, or install the torch build for your accelerator.")
 
 
 def _check_output_paths(config: BenchConfig) -> None:
@@ -850,7 +851,8 @@ def is_diffusion_bench(config: BenchConfig) -> bool:
 
     diffusion = [m in DIFFUSION_METHODS for m in config.methods]
     if any(diffusion) and not all(diffusion):
-        raise ValueError(f"Methods {config.methods} mix diffusion-LM and autoregressive methods; bench one kind per run.")
+        raise ValueError(f"Methods {config.methods} mix diffusion-LM and autoregressive methods; "
+                         "bench one kind per run.")
     return all(diffusion)
 
 

@@ -1,4 +1,5 @@
-"""`hf-specdiff bench --batch-size 1 4 16 32 64`: plain batched `generate` against our speculative methods, by batch size.
+"""`hf-specdiff bench --batch-size 1 4 16 32 64`: plain batched `generate` against our speculative methods,
+by batch size.
 
 Every batch size sees the same prompts, cut into consecutive batches of that size, so that the curve's points differ
 by batch size only: the bench's seeded prompts, dealt round-robin over the datasets (any prefix holds every dataset
@@ -97,7 +98,8 @@ def run_batch_bench(config: BenchConfig, target=None, tokenizer=None, speculator
     target, tokenizer, speculator = load_models(config, target, tokenizer, speculator)
     stop_ids, pad = stop_and_pad_ids(target, tokenizer)
     encoded = [
-        (dataset, list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]))
+        (dataset, list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     return_dict=True)["input_ids"]))
         for dataset, messages in prompts
     ]
     runs = _method_runs(config, speculator, max(len(ids) for _, ids in encoded) + config.max_new_tokens)
@@ -194,8 +196,8 @@ def batch_markdown_table(result: dict) -> str:
     """The curve as a Markdown table, one row per batch size and method, with a footer."""
     sampled = result["config"].get("temperature", 0.0) > 0
     check = "logprob diff vs ar (p)" if sampled else "mismatches (unexplained)"
-    lines = ["| batch | method | tau | tokens/s | speedup vs ar | vs dflash | forwards per batch | draft ms | refine ms | "
-             f"verify ms | {check} |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch | method | tau | tokens/s | speedup vs ar | vs dflash | forwards per batch | draft ms | "
+             f"refine ms | verify ms | {check} |", "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def number(entry: dict, key: str, digits: int = 1) -> str:
         return f"{entry[key]:.{digits}f}" if entry.get(key) is not None else "-"
@@ -221,7 +223,8 @@ def batch_markdown_table(result: dict) -> str:
     mix = Counter(row["dataset"] for record in result["records"] if (record["batch_size"], record["method"]) ==
                   (smallest, "ar") for row in record["rows"])
     first = next(iter(result["curve"].values()))
-    finished = ", ".join(f"{size}: {summary['ar']['finished_row_share']:.0%}" for size, summary in result["curve"].items()
+    finished = ", ".join(f"{size}: {summary['ar']['finished_row_share']:.0%}"
+                         for size, summary in result["curve"].items()
                          if "finished_row_share" in summary["ar"]) or "not recorded"
     lines += ["", f"{env['device_name']} ({env['device']}), {env['dtype']}, torch {env['torch']}, transformers "
               f"{env['transformers']}; prompts from {source}, left-padded batches, max_new_tokens "

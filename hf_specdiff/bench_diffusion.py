@@ -180,7 +180,8 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
                          "calibration prompts left out): raise --limit or bench other datasets.")
     encoded = [
         (dataset, row, tokenizer.apply_chat_template(prompt_messages(dataset, row), add_generation_prompt=True,
-                                                     return_tensors="pt", return_dict=True)["input_ids"].to(config.device))
+                                                     return_tensors="pt",
+                                                     return_dict=True)["input_ids"].to(config.device))
         for dataset, row in rows
     ]
     eos = tokenizer.eos_token_id
@@ -193,8 +194,9 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
             # sampled at the diffusion methods' temperature, greedy at 0
             sampling = dict(do_sample=True, temperature=config.temperature) if config.temperature > 0 else dict(
                 do_sample=False)
-            sequences = base_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=config.max_new_tokens,
-                                            eos_token_id=eos, pad_token_id=eos, **sampling)
+            sequences = base_model.generate(ids, attention_mask=torch.ones_like(ids),
+                                            max_new_tokens=config.max_new_tokens, eos_token_id=eos, pad_token_id=eos,
+                                            **sampling)
             nfe, exact, accepted = sequences.shape[1] - ids.shape[1], True, 0  # a forward per token, prefill's too
         else:
             spiffy = graph if method.startswith("spiffy") else None
@@ -238,7 +240,8 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
     datasets = list(dict.fromkeys(r["dataset"] for r in records))
     return {"config": _config_dict(config), "environment": _environment(model, config), "runs": methods,
             "summary": summarize_diffusion(records, methods),
-            "by_dataset": {d: summarize_diffusion([r for r in records if r["dataset"] == d], methods) for d in datasets},
+            "by_dataset": {d: summarize_diffusion([r for r in records if r["dataset"] == d], methods)
+                           for d in datasets},
             "records": records}
 
 
@@ -353,7 +356,8 @@ def summarize_diffusion(records: list[dict], methods: list[str]) -> dict:
         rows = [r for r in records if r["method"] == method]
         tokens, seconds, nfe = (sum(r[k] for r in rows) for k in ("new_tokens", "seconds", "nfe"))
         scored = [r["correct"] for r in rows if r["correct"] is not None]
-        entry = {"prompts": len(rows), "nfe": nfe / max(len(rows), 1), "tokens_per_s": tokens / seconds if seconds else 0.0,
+        entry = {"prompts": len(rows), "nfe": nfe / max(len(rows), 1),
+                 "tokens_per_s": tokens / seconds if seconds else 0.0,
                  "seconds": seconds, "new_tokens": tokens,
                  "accuracy": sum(scored) / len(scored) if scored else None, "exact": all(r["exact"] for r in rows),
                  "finished_rate": sum(r["finished"] for r in rows) / max(len(rows), 1),
@@ -370,7 +374,8 @@ def summarize_diffusion(records: list[dict], methods: list[str]) -> dict:
     base = summary.get("steps")
     for entry in summary.values():
         entry["nfe_reduction_vs_steps"] = base["nfe"] / entry["nfe"] if base and entry["nfe"] else None
-        entry["speedup_vs_steps"] = entry["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else None
+        entry["speedup_vs_steps"] = (entry["tokens_per_s"] / base["tokens_per_s"]
+                                     if base and base["tokens_per_s"] else None)
     return summary
 
 

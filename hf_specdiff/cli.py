@@ -76,7 +76,8 @@ def _parse(parser: argparse.ArgumentParser, subparsers: dict, argv: list[str] | 
         if unknown:
             raise SystemExit(f"{args.config}: unknown options {sorted(unknown)}")
         lists = {action.dest for action in subparsers[args.command]._actions if action.nargs in ("*", "+")}
-        not_lists = sorted(name for name in lists & set(from_file) if not isinstance(from_file[name], (list, type(None))))
+        not_lists = sorted(name for name in lists & set(from_file)
+                           if not isinstance(from_file[name], (list, type(None))))
         if not_lists:  # a string would be read one character at a time
             raise SystemExit(f"{args.config}: {not_lists} must be JSON lists, e.g. \"data\": [\"answers.jsonl\"].")
         _check_config_types(args.config, subparsers[args.command], from_file)
@@ -215,7 +216,8 @@ def demo_diffusion(prompt: str, model_path: str | None, graph_path: str | None, 
 
     def show(block, answer):  # one line per forward: decided tokens, and a shaded cell per masked one
         cells = answer[0, max(0, answer.shape[1] - block_length) :]  # the block being decoded
-        text = "".join("\u2591" if t == mask_id else tokenizer.decode([t]).replace("\n", "\u23ce") for t in cells.tolist())
+        text = "".join("\u2591" if t == mask_id else tokenizer.decode([t]).replace("\n", "\u23ce")
+                       for t in cells.tolist())
         print(f"block {block} | {text}", flush=True)
 
     print(f"\n> {prompt}\n\nSpiffy + threshold unmasking, one line per forward pass:")
@@ -411,7 +413,8 @@ def export_diffusion(args) -> None:
     card_license = _card_license(args, base_model)
     text = _card_text(args, base_model, train_config)
     measured = _bench_table(args.bench_json, "diffusion LM") or "Not benchmarked yet."
-    weights = {name: t.to(getattr(torch, args.dtype)).contiguous() for name, t in load_file(source / WEIGHTS_NAME).items()}
+    weights = {name: t.to(getattr(torch, args.dtype)).contiguous()
+               for name, t in load_file(source / WEIGHTS_NAME).items()}
     output.mkdir(parents=True, exist_ok=True)
     for file in source.iterdir():
         if file.name != WEIGHTS_NAME and file.is_file():
@@ -618,7 +621,8 @@ def _calibrate_options(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--config", help="JSON file with CalibrateConfig and DiffusionGenerationConfig fields")
     _add_dataclass_arguments(parser, CalibrateConfig)
-    # calibration records ordinary decoding: how many drafts Spiffy verifies is chosen where it decodes (bench, generate)
+    # calibration records ordinary decoding: how many drafts Spiffy verifies is chosen where it decodes
+    # (bench, generate)
     _add_dataclass_arguments(parser, DiffusionGenerationConfig, exclude=("max_drafts",))
 
 
@@ -695,7 +699,8 @@ def main(argv: list[str] | None = None) -> int:
 
         config = _dataclass_from_args(DiffusionTrainConfig, args)
         train_diffusion(config)
-        print(f"diffusion LM written to {config.output_dir}/diffusion_lm (load it with AutoDiffusionLM.from_pretrained)")
+        print(f"diffusion LM written to {config.output_dir}/diffusion_lm "
+              "(load it with AutoDiffusionLM.from_pretrained)")
     return 0
 
 

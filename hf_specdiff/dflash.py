@@ -83,14 +83,16 @@ class DFlashConfig(Qwen3Config):
     @property
     def mask_token_id(self) -> int:
         if "mask_token_id" not in self.dflash_config:
-            raise ValueError("This dFlash config has no `dflash_config['mask_token_id']`: the checkpoint is incomplete.")
+            raise ValueError("This dFlash config has no `dflash_config['mask_token_id']`: "
+                             "the checkpoint is incomplete.")
         return self.dflash_config["mask_token_id"]
 
     @property
     def layer_ids(self) -> list[int]:
         """The target layers read by the drafter, z-lab semantics (layer l is `hidden_states[l + 1]`)."""
         if "target_layer_ids" not in self.dflash_config:
-            raise ValueError("This dFlash config has no `dflash_config['target_layer_ids']`: the checkpoint is incomplete.")
+            raise ValueError("This dFlash config has no `dflash_config['target_layer_ids']`: "
+                             "the checkpoint is incomplete.")
         return list(self.dflash_config["target_layer_ids"])
 
     @property
@@ -231,8 +233,9 @@ class DFlashDraftModel(PreTrainedModel):
         is read at its first, the active stream of Gemma 3n's configs (`altup_active_idx` 0)."""
         layers = [target_hidden_states[i + 1] for i in self.config.layer_ids]
         if missing := [i for i, h in zip(self.config.layer_ids, layers) if h is None]:
-            raise ValueError(f"The target returned no hidden states for layers {missing}, which this drafter reads: its "
-                             "config counts fewer layers than its forward runs. Check the drafter's target_layer_ids.")
+            raise ValueError(f"The target returned no hidden states for layers {missing}, "
+                             "which this drafter reads: its config counts fewer layers than its forward runs. "
+                             "Check the drafter's target_layer_ids.")
         return torch.cat([(h[0] if h.dim() == 4 else h)[:, :num_tokens] for h in layers], dim=-1)
 
     def cache_context(self, context_hidden_states: torch.Tensor, position_ids: torch.LongTensor, cache) -> None:

@@ -910,7 +910,8 @@ def enable(model):
             f"{type(model).__name__}.{hint}"
         )
     if model.config.is_encoder_decoder:
-        raise ValueError("hf_specdiff speculative decoding supports decoder-only targets; this model is encoder-decoder.")
+        raise ValueError("hf_specdiff speculative decoding supports decoder-only targets; "
+                         "this model is encoder-decoder.")
     if model.get_output_embeddings() is None:
         raise ValueError(f"{type(model).__name__} has no language-model head; load it with AutoModelForCausalLM.")
     model.generate = types.MethodType(_speculative_generate, model)

@@ -106,7 +106,8 @@ def render_diffusion_model_card(template: str | Path, adapter_config: dict, weig
         adapter = (f"LoRA of rank {lora['rank']} (alpha {lora['alpha']}) on {', '.join(lora['target_modules'])}, "
                    f"{count:.2f}M parameters in {facts['storage_dtype']} ({size_mb:.1f} MB)")
     else:
-        adapter = f"every layer's trained weights, {count:.1f}M parameters in {facts['storage_dtype']} ({size_mb:.0f} MB)"
+        adapter = (f"every layer's trained weights, {count:.1f}M parameters in {facts['storage_dtype']} "
+                   f"({size_mb:.0f} MB)")
     if "mask_embedding" in weights:
         adapter += ", and the trained [MASK] input embedding row"
     diffusion = adapter_config["diffusion"]

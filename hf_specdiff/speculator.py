@@ -63,7 +63,8 @@ class Speculator(nn.Module):
             if part is None:
                 continue
             if part.config.block_size != block:
-                raise ValueError(f"The {name} was built for block size {part.config.block_size}, the drafter uses {block}.")
+                raise ValueError(f"The {name} was built for block size {part.config.block_size}, "
+                                 f"the drafter uses {block}.")
             if part.config.vocab_size != vocab:
                 raise ValueError(f"The {name} has vocabulary {part.config.vocab_size}, the drafter {vocab}.")
         if refiner is not None and refiner.config.hidden_size != hidden:
@@ -130,7 +131,8 @@ class Speculator(nn.Module):
         bad_layers = [i for i in drafter.layer_ids if not 0 <= i < text_config.num_hidden_layers]
         if bad_layers:
             raise ValueError(
-                f"The drafter reads target layers {bad_layers}, but the target has layers 0..{text_config.num_hidden_layers - 1}."
+                f"The drafter reads target layers {bad_layers}, but the target has layers "
+                f"0..{text_config.num_hidden_layers - 1}."
             )
         if self.draft_vocab is not None:  # perhaps set after loading
             where = target.get_output_embeddings().weight.device
@@ -144,7 +146,8 @@ class Speculator(nn.Module):
                 f"({target.get_input_embeddings().weight.shape[0]} rows)."
             )
         if drafter.target_embedding_sample is not None:
-            trained_for, this_target = torch.tensor(drafter.target_embedding_sample), torch.tensor(embedding_sample(target))
+            trained_for, this_target = (torch.tensor(drafter.target_embedding_sample),
+                                        torch.tensor(embedding_sample(target)))
             # loose enough for another precision or quantisation of the same weights, not for another model
             if trained_for.shape != this_target.shape or bool(
                 (trained_for - this_target).abs().max() > 0.1 * trained_for.abs().mean()
@@ -398,10 +401,10 @@ def _load_strict(model_class, path_or_repo_id: str, dtype, component: str | None
     `component`: the add-on speculator.json lists, whose folder must then be complete."""
     from transformers.utils import cached_file
 
-    if component is not None and cached_file(path_or_repo_id, "config.json", _raise_exceptions_for_missing_entries=False,
-                                             **kwargs) is None:
-        raise OSError(f"speculator.json in {path_or_repo_id} lists `{component}`, but {kwargs['subfolder']}/config.json "
-                      "is missing. Download or save the speculator again.")
+    if component is not None and cached_file(path_or_repo_id, "config.json",
+                                             _raise_exceptions_for_missing_entries=False, **kwargs) is None:
+        raise OSError(f"speculator.json in {path_or_repo_id} lists `{component}`, but "
+                      f"{kwargs['subfolder']}/config.json is missing. Download or save the speculator again.")
     try:
         model, info = model_class.from_pretrained(path_or_repo_id, dtype=dtype, output_loading_info=True, **kwargs)
     except OSError as error:
@@ -413,7 +416,8 @@ def _load_strict(model_class, path_or_repo_id: str, dtype, component: str | None
         where = f"{path_or_repo_id}/{kwargs.get('subfolder', '')}".rstrip("/")
         reason = str(error)
         if "ignore_mismatched_sizes" in reason:  # transformers' words for weights of other shapes than the config's
-            reason = "the weights' shapes differ from its config.json's; the artifact is corrupt or its config was edited"
+            reason = ("the weights' shapes differ from its config.json's; "
+                      "the artifact is corrupt or its config was edited")
         raise ValueError(f"Could not load the {model_class.__name__} weights from {where}: {reason}") from error
     problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if problems:

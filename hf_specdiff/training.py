@@ -397,7 +397,8 @@ class SpeculatorTrainer(nn.Module):
         estimates = {"dflash": tau(greedy(drafter_logits)[0])}
         if refiner is not None:
             passes = num_jacobi_passes or refiner.config.num_jacobi_passes
-            drafts, _, _ = jacobi_refine(refiner, drafter_logits, hidden, tokens[:, :2], greedy, passes, refiner_read_out)
+            drafts, _, _ = jacobi_refine(refiner, drafter_logits, hidden, tokens[:, :2], greedy, passes,
+                                         refiner_read_out)
             estimates["xpress"] = tau(drafts)
         if markov is not None:
             drafts, _ = markov_decode(markov, drafter_logits, tokens[:, 1],
@@ -450,8 +451,8 @@ class StepPlan:
     not leave the rest of the budget unused. The learning-rate schedule reads the last step when it is asked, so a cut
     run still warms up and decays to its end (the warm-up shrinks to a tenth of a cut run if it was longer, and never
     grows back; a moved cut reshapes the decay from there on). The plan is saved with each checkpoint: a resumed run
-    that a budget cut keeps its cut as its end (a run that was not cut may be resumed with a larger max_steps), and with a budget times
-    itself again, from the start of that call, and may end sooner.
+    that a budget cut keeps its cut as its end (a run that was not cut may be resumed with a larger max_steps), and with
+    a budget times itself again, from the start of that call, and may end sooner.
     The clock starts when the plan is made: at the start of the trainer's call, so loading counts. With several
     processes, `agree` turns each one's cut into one they all keep (the earliest), so they stop together.
     """
@@ -560,7 +561,8 @@ def check_options(config, checks: dict[str, tuple[bool, str]]) -> None:
                                 "positive and finite, or None for no budget"),
         **checks,
     }
-    wrong = [f"{name}={getattr(config, name)!r} (must be {rule})" for name, (valid, rule) in checks.items() if not valid]
+    wrong = [f"{name}={getattr(config, name)!r} (must be {rule})" for name, (valid, rule) in checks.items()
+             if not valid]
     if wrong:
         raise ValueError("Invalid training options: " + "; ".join(wrong) + ".")
 
@@ -684,7 +686,8 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
     log_path = write_run_config(output_dir, config)
 
     holdout_batch = collate(holdout, pad_id)
-    bar = tqdm(total=plan.last_step, initial=step, desc="train", disable=not progress or not accelerator.is_main_process)
+    bar = tqdm(total=plan.last_step, initial=step, desc="train",
+               disable=not progress or not accelerator.is_main_process)
     estimate = {}
     while step < plan.last_step:
         trainer.train()

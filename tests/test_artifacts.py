@@ -103,7 +103,9 @@ def test_zlab_layout_loads_generates_and_saves_back_identically(tmp_path):
                 "num_target_layers", "rms_norm_eps", "vocab_size"):
         assert saved_config[key] == config[key], key
     assert saved_config["rope_parameters"]["rope_theta"] == config["rope_theta"]
-    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == ["config.json", "model.safetensors", "speculator.json"]
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == [
+        "config.json", "model.safetensors", "speculator.json"
+    ]
 
 
 def test_speculator_round_trip(tmp_path):
@@ -262,8 +264,10 @@ def test_not_a_drafter_is_a_clear_error(tmp_path):
          "format version 99; .*Upgrade hf_specdiff"),
         ('{"format": "hf_specdiff.speculator", "format_version": "1", "components": []}',
          "format version '1'; .*No hf_specdiff wrote that"),
-        ('{"format": "hf_specdiff.speculator", "format_version": 1, "components": null}', "components as None, not a list"),
-        ('{"format": "hf_specdiff.speculator", "format_version": 1, "components": "refiner"}', "components as 'refiner'"),
+        ('{"format": "hf_specdiff.speculator", "format_version": 1, "components": null}',
+         "components as None, not a list"),
+        ('{"format": "hf_specdiff.speculator", "format_version": 1, "components": "refiner"}',
+         "components as 'refiner'"),
         ('{"format": "something-else", "format_version": 1}', "not an hf_specdiff speculator manifest"),
         ('{"format": "hf_specdiff.speculator", "format_version": 1, "components": ["medusa"]}', "unknown components"),
         ("{not json", "not valid JSON"),
@@ -331,7 +335,8 @@ def test_save_pretrained_pushes_the_whole_folder_in_one_commit(tmp_path, monkeyp
     speculator = make_speculator(make_target())
     speculator.save_pretrained(tmp_path / "my-spec", push_to_hub=True, repo_id="me/my-spec", commit_message="v1")
     assert len(uploads) == 1 and uploads[0][0] == "me/my-spec" and uploads[0][2] == "v1"
-    assert {"speculator.json", "config.json", "refiner/config.json", "markov_head/model.safetensors"} <= set(uploads[0][1])
+    assert {"speculator.json", "config.json", "refiner/config.json",
+            "markov_head/model.safetensors"} <= set(uploads[0][1])
     speculator.save_pretrained(tmp_path / "my-spec2", push_to_hub=True)
     assert uploads[1][0] == "my-spec2"  # transformers' default: the folder's name
     with pytest.raises(TypeError, match="only apply with push_to_hub=True"):
@@ -425,7 +430,8 @@ def test_a_missing_local_path_says_so_for_every_artifact(path):
     """Not the Hub's "Repo id must be in the form ..." that a path which cannot be a repo id used to get."""
     from hf_specdiff.diffusion import AutoDiffusionLM
 
-    for load, what in ((AutoSpeculator.from_pretrained, "speculator"), (AutoDiffusionLM.from_pretrained, "diffusion LM"),
+    for load, what in ((AutoSpeculator.from_pretrained, "speculator"),
+                       (AutoDiffusionLM.from_pretrained, "diffusion LM"),
                        (hf_specdiff.DraftGraph.from_pretrained, "draft graph"), (load_target, "target")):
         with pytest.raises(FileNotFoundError, match=f"No {what} at '{path}': no such folder"):
             load(path)

@@ -327,7 +327,8 @@ def test_a_static_batch_keeps_its_rows_and_its_shapes(monkeypatch):
     assert torch.equal(plain, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=25))
     out = assert_rows_exact(target, speculator, "xpress", prompts, **options)
     generated = out.sequences[:, ids.shape[1] :]
-    assert [int((row == 17).nonzero()[0, 0]) if (row == 17).any() else None for row in generated] == [6, None, 2, None, 4]
+    assert [int((row == 17).nonzero()[0, 0]) if (row == 17).any() else None
+            for row in generated] == [6, None, 2, None, 4]
     # finished rows were kept but counted nowhere: the same statistics as the dynamic loop, which drops them (the
     # refinement's passes follow the rows still decoding)
     dynamic = speculate(target, speculator, "xpress", ids, mask, do_sample=False, max_new_tokens=25).speculation
@@ -563,7 +564,8 @@ def batched_p_values(target, speculator, **options):
         accepted += out.speculation.accepted_tokens
         drafted += out.speculation.drafted_tokens
     p_values = [
-        chi_square_p_value(c, exact_distribution(target, p[None], NEW_TOKENS), DRAWS) for c, p in zip(counts, SAMPLING_PROMPTS)
+        chi_square_p_value(c, exact_distribution(target, p[None], NEW_TOKENS), DRAWS)
+        for c, p in zip(counts, SAMPLING_PROMPTS)
     ]
     return p_values, accepted / max(drafted, 1)
 

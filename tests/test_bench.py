@@ -116,7 +116,8 @@ def test_environment_names_the_speculator_and_its_draft_vocabulary(tmp_path, smo
     env = _environment(target, BenchConfig(device="cpu"), loaded)
     assert env["speculator"] == str(tmp_path / "speculator") and env["draft_vocab_size"] == 1000
     footer = _drafts_per_block({"config": {"num_draft_tokens": 3}, "environment": env, "runs": ["ar", "xpress"]})
-    assert footer == ", 3 drafts per block (--num-draft-tokens), drafts read out over a draft vocabulary of 1,000 tokens"
+    assert footer == (", 3 drafts per block (--num-draft-tokens), drafts read out over a draft vocabulary of "
+                      "1,000 tokens")
 
 
 def test_environment_names_the_cpu_model(smollm):
@@ -332,7 +333,8 @@ def test_batch_curve_compares_methods_at_each_batch_size(tmp_path, smollm):
         summary = saved["curve"][size]
         assert summary["ar"]["speedup_vs_ar"] == 1.0 and summary["dflash"]["speedup_vs_dflash"] == 1.0
         # a lone row never waits for another; in a batch, plain generate runs finished rows until the last stops
-        assert summary["ar"]["finished_row_share"] == 0.0 if size == "1" else 0.0 <= summary["ar"]["finished_row_share"] < 1
+        assert (summary["ar"]["finished_row_share"] == 0.0 if size == "1"
+                else 0.0 <= summary["ar"]["finished_row_share"] < 1)
         for name, entry in summary.items():
             assert entry["prompts"] == used and entry["tokens_per_s"] > 0, (size, name)
             if name != "ar":  # every row equals plain batched generate's row (bar floating-point near-ties)
@@ -348,7 +350,8 @@ def test_batch_curve_compares_methods_at_each_batch_size(tmp_path, smollm):
                     for row in r["rows"]]
             assert rows == prompts, (size, name)
     table = (tmp_path / "curve.md").read_text()
-    assert "| 2 | xpress |" in table and "| batch | method | tau |" in table and "1: 4, 2: 4; by dataset: custom 4" in table
+    assert ("| 2 | xpress |" in table and "| batch | method | tau |" in table
+            and "1: 4, 2: 4; by dataset: custom 4" in table)
     assert "Forward compiled by torch.compile: none. ar_static, xpress_static: static cache" in table  # a CPU
     assert "row-steps spent on rows that had already stopped: 1: 0%, 2: " in table
     assert [p.name for p in (tmp_path / "plots").iterdir()] == ["batch_curve.png"]
@@ -374,7 +377,8 @@ def test_sampled_batch_curve_checks_each_row_by_log_probability(tmp_path, smollm
     assert "lossless_mismatches" not in result["curve"]["2"]["xpress"]
     from hf_specdiff.bench_batched import batch_markdown_table
 
-    assert "Sampled at temperature 0.8" in batch_markdown_table(result) and "test over rows" in batch_markdown_table(result)
+    assert ("Sampled at temperature 0.8" in batch_markdown_table(result)
+            and "test over rows" in batch_markdown_table(result))
     result["config"].update(prompts=None, datasets=["gsm8k"])  # the footer's source, as a run from the sets shows it
     assert "prompts from datasets ['gsm8k'], all prompts, left-padded" in batch_markdown_table(result)  # --limit 0
     result["config"]["limit"] = 10  # a set may hold fewer

@@ -24,7 +24,8 @@ def test_diffusion_bench_end_to_end(tmp_path):
     main(["bench", "--target", str(tmp_path / "dlm"), "--datasets", "gsm8k", "mbpp", "--limit", "2",
           # listed after its Spiffy method, or not at all, a baseline still runs before it: the lossless check needs it
           "--methods", "spiffy_threshold", "threshold", "spiffy", "ar_base", "--max-new-tokens", "16",
-          "--block-length", "8", "--threshold", "0.05", "--base", str(tmp_path / "base"), "--json", str(tmp_path / "out.json"),
+          "--block-length", "8", "--threshold", "0.05", "--base", str(tmp_path / "base"),
+          "--json", str(tmp_path / "out.json"),
           "--markdown", str(tmp_path / "out.md"), "--plots", str(tmp_path / "plots")])
     result = json.loads((tmp_path / "out.json").read_text())
     summary = result["summary"]
@@ -42,7 +43,8 @@ def test_diffusion_bench_end_to_end(tmp_path):
         assert summary[name]["nfe"] <= summary[name.replace("spiffy_", "").replace("spiffy", "steps")]["nfe"]
     assert set(result["by_dataset"]) == {"gsm8k", "mbpp"}
     assert all(r["correct"] in (True, False) for r in result["records"])
-    assert "| all | spiffy |" in (tmp_path / "out.md").read_text() and "| all | ar_base |" in (tmp_path / "out.md").read_text()
+    assert ("| all | spiffy |" in (tmp_path / "out.md").read_text()
+            and "| all | ar_base |" in (tmp_path / "out.md").read_text())
     assert (tmp_path / "plots" / "nfe.png").is_file()
 
     graph = DraftGraph.from_pretrained(tmp_path / "dlm")
@@ -136,7 +138,8 @@ def test_coherence_measures():
     from hf_specdiff.bench_diffusion import answer_nll, repeated_ngram_share
 
     assert repeated_ngram_share(torch.tensor([1, 2, 3, 4, 5, 6])) == 0.0
-    assert repeated_ngram_share(torch.tensor([1, 2, 3, 4] * 3)) == 5 / 9  # 9 4-grams: the first 4 are new, the other 5 repeat
+    # 9 4-grams: the first 4 are new, the other 5 repeat
+    assert repeated_ngram_share(torch.tensor([1, 2, 3, 4] * 3)) == 5 / 9
     assert repeated_ngram_share(torch.tensor([1, 2, 3])) == 0.0
     from transformers import LlamaConfig, LlamaForCausalLM
 

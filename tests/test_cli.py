@@ -147,7 +147,8 @@ def test_demo_refuses_the_other_modes_flags():
 
 
 def test_calibrate_reads_its_prompts_before_loading_the_model(tmp_path):
-    """A wrong dataset, prompts file or dtype fails in seconds, before the (missing) model would load; --prompts exists."""
+    """A wrong dataset, prompts file or dtype fails in seconds, before the (missing) model would load; --prompts
+    exists."""
     from hf_specdiff.cli import main
 
     missing_model = ["calibrate", "--model", str(tmp_path / "no-model")]
@@ -278,8 +279,11 @@ def test_demo_tells_a_floating_point_near_tie_from_a_mismatch():
     prompt = [7, 8]
     scores = [torch.tensor([[0.0, 16.444538, 16.444536, 3.0]]), torch.tensor([[0.0, 1.0, 9.0, 2.0]])]
     plain = SimpleNamespace(sequences=torch.tensor([prompt + [1, 2]]), scores=scores)
-    check = lambda tokens: _lossless_check(plain, SimpleNamespace(sequences=torch.tensor([prompt + tokens])),
-                                           len(prompt), tolerance=1e-3)
+
+    def check(tokens):
+        return _lossless_check(plain, SimpleNamespace(sequences=torch.tensor([prompt + tokens])), len(prompt),
+                               tolerance=1e-3)
+
     assert identical_verdict(check([1, 2])) == "yes"
     assert identical_verdict(check([2, 2])) == "near-tie at token 1 (logits 1.9e-06 apart)"
     assert identical_verdict(check([1, 3])) == "NO"  # 9.0 against 2.0: the target never chose 3

@@ -290,7 +290,8 @@ def read_out_rows_rolled(target, monkeypatch) -> None:
 
     def rows_rolled(input, weight, bias=None, packs=None):
         out = original(input, weight, bias, packs)
-        return out.roll(1, dims=-2) if weight is target.lm_head.weight and transposed_layout_pays(input, weight) else out
+        return (out.roll(1, dims=-2) if weight is target.lm_head.weight and transposed_layout_pays(input, weight)
+                else out)
 
     monkeypatch.setattr(_cpu_linear, "linear", rows_rolled)
 

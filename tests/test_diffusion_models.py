@@ -16,7 +16,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCa
 from hf_specdiff.diffusion import AutoDiffusionLM, DiffusionLM
 from hf_specdiff.diffusion.modeling import _config_from_published
 
-V, H, I, L, HEADS, KV, D = 64, 32, 48, 2, 4, 2, 8  # vocab, hidden, intermediate, layers, heads, kv heads, head_dim
+V, H, FF, L, HEADS, KV, D = 64, 32, 48, 2, 4, 2, 8  # vocab, hidden, intermediate, layers, heads, kv heads, head_dim
 N = 12  # sequence length in the tests; blocks of 4
 
 
@@ -29,7 +29,7 @@ def llada_checkpoint(tied=False):
     config = {
         "model_type": "llada", "architectures": ["LLaDAModelLM"],
         "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM"},
-        "d_model": H, "n_heads": HEADS, "n_kv_heads": KV, "n_layers": L, "mlp_hidden_size": I, "mlp_ratio": 4,
+        "d_model": H, "n_heads": HEADS, "n_kv_heads": KV, "n_layers": L, "mlp_hidden_size": FF, "mlp_ratio": 4,
         "vocab_size": V - 4, "embedding_size": V,  # padded embedding rows, as LLaDA pads to a multiple of 128
         "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "weight_tying": tied, "include_bias": False,
         "include_qkv_bias": False, "block_type": "llama", "activation_type": "silu", "layer_norm_type": "rms",
@@ -45,7 +45,7 @@ def llada_checkpoint(tied=False):
         shapes.update({
             b + "attn_norm.weight": (H,), b + "q_proj.weight": (HEADS * D, H), b + "k_proj.weight": (KV * D, H),
             b + "v_proj.weight": (KV * D, H), b + "attn_out.weight": (H, HEADS * D), b + "ff_norm.weight": (H,),
-            b + "ff_proj.weight": (I, H), b + "up_proj.weight": (I, H), b + "ff_out.weight": (H, I),
+            b + "ff_proj.weight": (FF, H), b + "up_proj.weight": (FF, H), b + "ff_out.weight": (H, FF),
         })
     return config, shapes
 
@@ -60,7 +60,7 @@ def qwen_like_shapes(qkv_bias=False, qk_norm=False, lm_head=True):
             b + "input_layernorm.weight": (H,), b + "post_attention_layernorm.weight": (H,),
             b + "self_attn.q_proj.weight": (HEADS * D, H), b + "self_attn.k_proj.weight": (KV * D, H),
             b + "self_attn.v_proj.weight": (KV * D, H), b + "self_attn.o_proj.weight": (H, HEADS * D),
-            b + "mlp.gate_proj.weight": (I, H), b + "mlp.up_proj.weight": (I, H), b + "mlp.down_proj.weight": (H, I),
+            b + "mlp.gate_proj.weight": (FF, H), b + "mlp.up_proj.weight": (FF, H), b + "mlp.down_proj.weight": (H, FF),
         })
         if qkv_bias:
             shapes.update({b + "self_attn.q_proj.bias": (HEADS * D,), b + "self_attn.k_proj.bias": (KV * D,),
@@ -70,7 +70,7 @@ def qwen_like_shapes(qkv_bias=False, qk_norm=False, lm_head=True):
     return shapes
 
 
-QWEN_SIZES = {"vocab_size": V, "hidden_size": H, "intermediate_size": I, "num_hidden_layers": L,
+QWEN_SIZES = {"vocab_size": V, "hidden_size": H, "intermediate_size": FF, "num_hidden_layers": L,
               "num_attention_heads": HEADS, "num_key_value_heads": KV, "hidden_act": "silu", "rms_norm_eps": 1e-6,
               "max_position_embeddings": 4096, "tie_word_embeddings": False}
 
@@ -164,7 +164,7 @@ def _rms_float64(module, x):
 
 
 def reference(family: str, config: dict, tensors: dict, float64_norms=True):
-    sizes = dict(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=HEADS,
+    sizes = dict(vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=L, num_attention_heads=HEADS,
                  num_key_value_heads=KV, head_dim=D, attn_implementation="sdpa")
     if family == "llada":
         ref = LlamaForCausalLM(LlamaConfig(**sizes, rope_theta=500000.0, rms_norm_eps=1e-5,
@@ -274,7 +274,7 @@ def test_float32_matches_unpatched_reference(published):
 
 def test_from_causal_lm():
     torch.manual_seed(0)
-    causal = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L,
+    causal = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=L,
                                           num_attention_heads=HEADS, num_key_value_heads=KV, tie_word_embeddings=True,
                                           rope_theta=100000.0, attn_implementation="sdpa")).double().eval()
     model = DiffusionLM.from_causal_lm(causal, mask_token_id=5, block_causal=True)
@@ -362,7 +362,7 @@ def test_fresh_config_saves_published_layout(tmp_path):
     """A DiffusionLM built from scratch for a published family (no config.json to preserve) saves loadable files."""
     from hf_specdiff.diffusion import DiffusionLMConfig
 
-    config = DiffusionLMConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L,
+    config = DiffusionLMConfig(vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=L,
                                num_attention_heads=HEADS, num_key_value_heads=KV, family="llada", mask_token_id=3)
     model = DiffusionLM(config).double()
     model.save_pretrained(tmp_path)
@@ -397,7 +397,7 @@ def test_loading_errors(published, tmp_path):
                                                                   torch.zeros(2)}))
     with pytest.raises(ValueError, match=r"wrong shapes \['model.transformer.blocks.1.up_proj.weight \(48, 16\) "):
         AutoDiffusionLM.from_pretrained(variant("shape", tensors={**tensors, block + "up_proj.weight":
-                                                                  torch.zeros(I, H // 2, dtype=torch.float64)}))
+                                                                  torch.zeros(FF, H // 2, dtype=torch.float64)}))
     with pytest.raises(ValueError, match=r"scale_logits.*supports only"):
         AutoDiffusionLM.from_pretrained(variant("scaled", config={**config, "scale_logits": True}))
     corrupt = variant("corrupt")

@@ -35,7 +35,8 @@ def generate(target, speculator, **kwargs):
     "kwargs,message",
     [
         (dict(num_beams=2), "beam search"),
-        (dict(num_return_sequences=2, do_sample=True, streamer=BaseStreamer()), "num_return_sequences=2.*with a streamer"),
+        (dict(num_return_sequences=2, do_sample=True, streamer=BaseStreamer()),
+         "num_return_sequences=2.*with a streamer"),
         (dict(use_cache=False), "needs the KV cache"),
         (dict(cache_implementation="offloaded"), "rolled back"),
         (dict(output_attentions=True, return_dict_in_generate=True), "attentions or hidden states"),
@@ -385,7 +386,8 @@ def test_the_drafter_takes_the_targets_full_attention_rope():
 
     from hf_specdiff.dflash import full_attention_rope_parameters
 
-    sliding, full = {"rope_type": "default", "rope_theta": 1e4}, {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}
+    sliding, full = ({"rope_type": "default", "rope_theta": 1e4},
+                     {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0})
     assert full_attention_rope_parameters(SimpleNamespace(rope_parameters=full)) == full
     per_type = SimpleNamespace(rope_parameters={"sliding_attention": sliding, "full_attention": full})  # Gemma 3
     assert full_attention_rope_parameters(per_type) == full

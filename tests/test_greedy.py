@@ -195,7 +195,8 @@ def test_a_vision_language_target_speculates_on_text_prompts():
         prompt = torch.randint(3, 290, (1, 6 + 3 * i), generator=generator)
         for method in METHODS:
             assert_same_as_plain(target, speculator, method, prompt, max_new_tokens=15)
-        assert_same_as_plain(target, speculator, "xpress", prompt, {"cache_implementation": "static"}, max_new_tokens=15)
+        assert_same_as_plain(target, speculator, "xpress", prompt, {"cache_implementation": "static"},
+                             max_new_tokens=15)
     batch = torch.randint(3, 290, (2, 8), generator=generator)
     mask = torch.ones_like(batch)
     batch[0, :3], mask[0, :3] = 0, 0

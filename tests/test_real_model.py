@@ -172,9 +172,9 @@ def test_diffusion_bench_defaults_to_the_shipped_diffusion_lm():
 
 def test_sliding_window_batch_of_real_chats(smollm, monkeypatch):
     """The embedded target's weights in a Mistral with a 64-token sliding window (Mistral is Llama plus the window):
-    a real model, still coherent, whose windows the chats (34 to 96 tokens) and their answers outgrow. A left-padded batch of three chats with the shipped
-    speculator, whose rows accept runs of different lengths (holes inside the windows), gives plain batched greedy's
-    answers, row by row (up to float32 near-ties, as above)."""
+    a real model, still coherent, whose windows the chats (34 to 96 tokens) and their answers outgrow. A left-padded
+    batch of three chats with the shipped speculator, whose rows accept runs of different lengths (holes inside the
+    windows), gives plain batched greedy's answers, row by row (up to float32 near-ties, as above)."""
     import hf_specdiff.batching
     from transformers import MistralConfig, MistralForCausalLM
 

@@ -417,7 +417,8 @@ def test_no_compiled_output_is_read_after_the_next_compiled_call(monkeypatch, me
 
     target = hf_specdiff.enable(make_successor_target(dtype=torch.float32))
     speculator = make_speculator(target, oracle=True).to(dtype=torch.float32)
-    kwargs = dict(cache_implementation="static", max_cache_len=96, compile_config=_compat.compile_config_for_all_devices())
+    kwargs = dict(cache_implementation="static", max_cache_len=96,
+                  compile_config=_compat.compile_config_for_all_devices())
 
     def decode(lifetimes, prompt, **options):
         # every torch.compile (ours and transformers' verify forward) made afresh under these lifetimes

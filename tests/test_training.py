@@ -21,7 +21,8 @@ def write_distill(path, target, rows=24, seed=0):
     generator = torch.Generator().manual_seed(seed)
     with path.open("w") as out:
         for i in range(rows):
-            prompt = torch.randint(1, VOCAB, (1, int(torch.randint(3, 12, (1,), generator=generator))), generator=generator)
+            prompt = torch.randint(1, VOCAB, (1, int(torch.randint(3, 12, (1,), generator=generator))),
+                                   generator=generator)
             answer = target.generate(prompt, do_sample=False, max_new_tokens=40)[0, prompt.shape[1]:]
             out.write(json.dumps({"id": i, "prompt_ids": prompt[0].tolist(), "response_ids": answer.tolist()}) + "\n")
     return path
@@ -107,12 +108,14 @@ def test_bad_inputs_fail_before_training(tmp_path, target):
     with pytest.raises(ValueError, match="fractional.jsonl:1: .* integer token ids"):
         train(tiny_config(tmp_path, fractional), target=target, progress=False)
     data = write_distill(tmp_path / "distill.jsonl", target, rows=8)
-    with pytest.raises(ValueError, match=r"Only 8 usable rows: .*holdout_sequences=8\. Distill answers to more prompts"):
+    with pytest.raises(ValueError,
+                       match=r"Only 8 usable rows: .*holdout_sequences=8\. Distill answers to more prompts"):
         train(tiny_config(tmp_path, data, holdout_sequences=8), target=target, progress=False)
     for options, message in [(dict(holdout_sequences=0), r"holdout_sequences=0 \(must be >= 1"),
                              (dict(eval_every=0, save_every=-1), "eval_every=0 .*save_every=-1"),
                              (dict(block_size=1), "block_size=1"), (dict(mixed_precision="fp8"), "mixed_precision"),
-                             (dict(time_budget_minutes=float("inf")), r"time_budget_minutes=inf \(must be positive and"),
+                             (dict(time_budget_minutes=float("inf")),
+                              r"time_budget_minutes=inf \(must be positive and"),
                              (dict(weight_decay=-0.1), r"weight_decay=-0.1 \(must be >= 0")]:
         with pytest.raises(ValueError, match="Invalid training options: .*" + message):
             train(tiny_config(tmp_path, data, **options), target=target, progress=False)
@@ -184,7 +187,8 @@ def test_step_plan_fits_the_run_into_its_time_budget(monkeypatch, tmp_path):
     clock = FakeClock()
     monkeypatch.setattr(training.time, "perf_counter", clock)
     unbudgeted = StepPlan(max_steps=1000, warmup_steps=50, eval_every=100, save_every=250)
-    assert [unbudgeted.lr_factor(s) for s in (0, 49, 500, 999)] == [warmup_cosine(50, 1000)(s) for s in (0, 49, 500, 999)]
+    assert ([unbudgeted.lr_factor(s) for s in (0, 49, 500, 999)]
+            == [warmup_cosine(50, 1000)(s) for s in (0, 49, 500, 999)])
     plan = StepPlan(max_steps=1000, warmup_steps=50, eval_every=100, save_every=250, minutes=2, probe_steps=20)
     clock.now = 10.0  # loading took 10 s
     for step in range(1, 22):
@@ -263,8 +267,8 @@ def test_budgeted_run_ends_early_with_a_complete_artifact_and_resumes_to_its_cut
 
 
 def test_holdout_seed_keeps_the_held_out_rows_of_an_earlier_run():
-    """A continued run with a new seed (fresh batches) and the earlier seed as holdout_seed holds out exactly the rows the
-    earlier run held out, none of which it trains on."""
+    """A continued run with a new seed (fresh batches) and the earlier seed as holdout_seed holds out exactly the rows
+    the earlier run held out, none of which it trains on."""
     from hf_specdiff.training import split_holdout
 
     rows = list(range(200))

@@ -463,7 +463,8 @@ def _check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) 
         raise TypeError(f"input_ids must be a tensor of token ids (tokenizer(..., return_tensors='pt')), got "
                         f"{type(input_ids).__name__}.")
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be (batch, prompt length) with at least one token, got {tuple(input_ids.shape)}.")
+        raise ValueError(f"input_ids must be (batch, prompt length) with at least one token, got "
+                         f"{tuple(input_ids.shape)}.")
     if attention_mask is None:
         return
     if attention_mask.shape != input_ids.shape:

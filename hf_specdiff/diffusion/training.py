@@ -319,9 +319,10 @@ class DiffusionTrainee(nn.Module):
             target.copy_(tensor)
         earlier_fingerprint = published.get("holdout_fingerprint")
         if earlier_fingerprint is not None and earlier_fingerprint != holdout_fingerprint:
-            warnings.warn(f"init_adapter={folder!r} was trained with other held-out rows than this run holds out (other "
-                          "data, seed, eval_sequences or max_seq_len): rows it learned may now be held out, so the "
-                          "held-out loss and accuracy read too good. Keep those settings to compare runs.", stacklevel=3)
+            warnings.warn(f"init_adapter={folder!r} was trained with other held-out rows than this run holds out "
+                          "(other data, seed, eval_sequences or max_seq_len): rows it learned may now be held out, "
+                          "so the held-out loss and accuracy read too good. Keep those settings to compare runs.",
+                          stacklevel=3)
         return int(published.get("trained_steps", 0))
 
     @torch.no_grad()
@@ -469,7 +470,8 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
                 # uninterrupted one would, and each GPU draws its own; a run continuing an init_adapter counts its
                 # steps on from the adapter's, so it draws new batches rather than the earlier run's again
                 draw_step = earlier_steps + step
-                draw_seed = ((config.seed * 1_000_003 + draw_step) * 1_009 + micro_step) * 101 + accelerator.process_index
+                draw_seed = (((config.seed * 1_000_003 + draw_step) * 1_009 + micro_step) * 101
+                             + accelerator.process_index)
                 order = random.Random(draw_seed)
                 rows = [sequences[order.randrange(len(sequences))] for _ in range(config.batch_size)]
                 generator = torch.Generator().manual_seed(draw_seed)
