@@ -258,7 +258,8 @@ def speculative_decoding(
     rows = RowBatch(input_ids, model_kwargs.get("attention_mask"), generation_config, pad_after_stop=has_eos_criterion,
                     attention_windows=attention_windows, mask_dtype=model.dtype,
                     compact_every_step=model.config.get_text_config().model_type in _SLOT_DISTANCE_MODEL_TYPES,
-                    keep_finished_rows=static or _rows_named_per_forward(model), prompt_slots=prompt_slots)
+                    keep_finished_rows=static or _row_adapter_names(model) is not None,
+                    prompt_slots=prompt_slots)
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
@@ -575,10 +576,17 @@ def _check_wrapping(model) -> None:
     (positions, masks and the cache per row, as the class's would). A replacement set on the model itself could add
     inputs the loop would drop without a word: PEFT's prompt learning puts its virtual tokens (prompt tuning,
     P-tuning) or its prefix keys and values (prefix tuning) there, for the length of the wrapper's `generate`. And an
-    activated LoRA (aLoRA) applies its weights to the last tokens of each forward only, as many as followed its
-    invocation in the prompt: one-token decoding steps all get them, a verify forward's first tokens would not."""
-    for name, config in (getattr(model, "peft_config", None) or {}).items():
-        if getattr(config, "alora_invocation_tokens", None):
+    activated LoRA (aLoRA) in use (active, or named for a row of a mixed-adapter batch) applies its weights to the
+    last tokens of each forward only, as many as followed its invocation in the prompt: one-token decoding steps all
+    get them, a verify forward's first tokens would not."""
+    activated = {name for name, config in (getattr(model, "peft_config", None) or {}).items()
+                 if getattr(config, "alora_invocation_tokens", None)}
+    if activated:  # an aLoRA loaded but not in use (another adapter active, no row naming it) changes nothing
+        in_use = set(_row_adapter_names(model) or ())
+        for module in model.modules():
+            if isinstance(getattr(type(module), "active_adapters", None), property):  # a PEFT tuner layer
+                in_use.update(module.active_adapters)
+        for name in sorted(activated & in_use):
             raise ValueError(
                 f"speculation=... verifies several tokens per target forward, and the activated LoRA adapter {name!r} "
                 "(alora_invocation_tokens) applies its weights to a fixed number of each forward's last tokens, so it "
@@ -618,13 +626,18 @@ _ASSISTED_DECODING_OPTIONS = (
 )
 
 
-def _rows_named_per_forward(model) -> bool:
-    """Whether hooks hand the target's layers one argument per batch row, fixed for the whole `generate`: PEFT's
-    mixed-adapter batches (`peft_model.generate(adapter_names=[...])`) set a hook on every LoRA layer that passes the
-    list to each forward, and the layers refuse a batch of another size. Rows that finished then stay in the batch
-    (emitting nothing, as with a static cache), so that row i of every forward is still the row the list names."""
-    return any("adapter_names" in (getattr(hook, "keywords", None) or {})
-               for module in model.modules() for hook in module._forward_pre_hooks.values())
+def _row_adapter_names(model) -> list[str] | None:
+    """The adapter of each batch row, where hooks hand the target's layers one per row for the whole `generate`:
+    PEFT's mixed-adapter batches (`peft_model.generate(adapter_names=[...])`) set a hook on every LoRA layer that
+    passes the list to each forward, and the layers refuse a batch of another size. Rows that finished then stay in
+    the batch (emitting nothing, as with a static cache), so that row i of every forward is still the row the list
+    names. None where no hook does so."""
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            names = (getattr(hook, "keywords", None) or {}).get("adapter_names")
+            if names is not None:
+                return list(names)
+    return None
 
 
 def _check_not_assisted(generation_config, call_arguments: dict) -> None:

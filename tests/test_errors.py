@@ -263,20 +263,32 @@ def test_peft_prompt_learning_is_refused_not_dropped(config_name):
                          speculation="xpress")
 
 
-def test_an_activated_lora_is_refused():
+def test_an_activated_lora_in_use_is_refused():
     """aLoRA applies its weights to a fixed number of each forward's last tokens (those after its invocation in the
     prompt): every one-token decoding step gets them, a verify forward's first tokens would not. It gave other tokens
-    than plain generate without a word; refused now."""
+    than plain generate without a word; refused now where it is in use: active, or named for a row of a mixed-adapter
+    batch. Loaded beside the active plain LoRA, it changes nothing, and the speculative output is plain generate's."""
     import peft
 
     base = make_successor_target()
-    config = peft.LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
-                             init_lora_weights=False, alora_invocation_tokens=[7, 2])
-    wrapped = peft.get_peft_model(base, config).eval()
+    modules = ["q_proj", "v_proj", "o_proj", "down_proj"]
+    wrapped = peft.get_peft_model(base, peft.LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=modules,
+                                                        init_lora_weights=False), adapter_name="plain")
+    wrapped.add_adapter("activated", peft.LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=modules,
+                                                     init_lora_weights=False, alora_invocation_tokens=[7, 2]))
+    wrapped.eval()
     hf_specdiff.enable(wrapped.get_base_model())
-    with pytest.raises(ValueError, match=r"activated LoRA adapter 'default' \(alora_invocation_tokens\)"):
-        wrapped.generate(input_ids=torch.tensor([[5, 9, 3, 7, 2]]), max_new_tokens=8, do_sample=False,
-                         assistant_model=make_speculator(base, oracle=True), speculation="xpress")
+    speculator = make_speculator(base, oracle=True)
+    prompts = torch.tensor([[5, 9, 3, 7, 2, 11], [4, 9, 3, 7, 2, 11]])
+    options = dict(max_new_tokens=8, do_sample=False, assistant_model=speculator, speculation="xpress")
+    refusal = r"activated LoRA adapter 'activated' \(alora_invocation_tokens\)"
+    plain = wrapped.generate(input_ids=prompts[:1], max_new_tokens=8, do_sample=False)
+    assert torch.equal(wrapped.generate(input_ids=prompts[:1], **options), plain)
+    with pytest.raises(ValueError, match=refusal):
+        wrapped.generate(input_ids=prompts, adapter_names=["plain", "activated"], **options)
+    wrapped.set_adapter("activated")
+    with pytest.raises(ValueError, match=refusal):
+        wrapped.generate(input_ids=prompts[:1], **options)
 
 
 def test_a_replaced_prepare_inputs_for_generation_is_refused(target, speculator):
