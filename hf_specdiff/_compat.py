@@ -174,13 +174,16 @@ def crop_cache(cache, num_tokens_to_remove: int) -> None:
     cache.crop(-num_tokens_to_remove)
 
 
-def roll_back_rows(cache, num_fed: int, kept: list[int]) -> None:
+def roll_back_rows(cache, num_fed: int, kept: list[int], idle: list[bool] | None = None) -> None:
     """After a forward of `num_fed` tokens per row, row i keeps its first `kept[i]`. K/V layers drop the slots past the
     longest kept run (the other rows' rejected slots stay, for the caller to mask); a layer keeping a state (conv,
-    recurrent) holds no slots to mask, so each row gets back the state it had after its own last kept token."""
-    shortest, longest = min(kept), max(kept)
-    per_row = [] if shortest == longest else [
-        (layer, _states_after(layer, num_fed, kept)) for layer in cache.layers if hasattr(layer, "conv_states")
+    recurrent) holds no slots to mask, so each row gets back the state it had after its own last kept token. Rows
+    marked `idle` (finished rows kept in the batch, keeping no slot) have no state anyone reads: theirs is left as the
+    longest run's, which needs no history further back than a decoding row's."""
+    longest = max(kept)
+    state_kept = kept if idle is None else [longest if is_idle else k for k, is_idle in zip(kept, idle)]
+    per_row = [] if min(state_kept) == longest else [
+        (layer, _states_after(layer, num_fed, state_kept)) for layer in cache.layers if hasattr(layer, "conv_states")
     ]
     crop_cache(cache, num_fed - longest)  # every row as the longest: right for K/V, and for the states of its rows
     for layer, (conv_states, recurrent_states) in per_row:

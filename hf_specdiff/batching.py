@@ -282,7 +282,8 @@ class RowBatch:
             return outputs
 
         num_kept = max(kept)
-        _compat.roll_back_rows(cache, num_fed, kept)  # K/V cropped past the longest run; a state layer's rows each back
+        idle = [row in self.finished for row in self.rows] if self.keep_finished_rows else None
+        _compat.roll_back_rows(cache, num_fed, kept, idle)  # K/V cropped past the longest run; state layers' rows back
         if self.cache_mask is not None or min(kept) < num_kept:
             if self.cache_mask is None:
                 self.cache_mask = torch.ones(len(self.rows), self.slots, dtype=torch.long, device=self.tokens.device)

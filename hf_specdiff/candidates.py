@@ -198,7 +198,7 @@ class SpeculationStats:
     refine_seconds: float = 0.0  # resolving every block (xpress / markov / dflash)
     verify_seconds: float = 0.0  # every target forward but the prefill
     prefill_seconds: float = 0.0  # the target's prefill forward
-    draft_prefill_seconds: float = 0.0  # drafting the first block, which reads the whole prompt's context
+    draft_prefill_seconds: float = 0.0  # drafting the first block and reading the whole prompt's context
     batch_size: int = 1
     compiled: bool = False  # the verify forward ran through torch.compile (a static cache where transformers compiles)
     row_accepted_lengths: list[list[int]] = field(default_factory=list)  # per row of the batch: its accepted_lengths
@@ -405,7 +405,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
                                                      features, positions, attention_mask, self.cache, self.max_drafts)
             _compat.crop_cache(self.cache, self.block_size)  # keep context K/V only
         synchronize(self.device)
-        if num_new == context_length:  # the first block: its drafter pass also read the whole prompt
+        if self.stats.blocks == 0:  # the first block: its drafter pass also read the whole prompt (or, after a
+            # chunked prefill, followed the passes that wrote it chunk by chunk)
             self.stats.draft_prefill_seconds += time.perf_counter() - start
         else:
             self.stats.draft_seconds += time.perf_counter() - start

@@ -258,8 +258,7 @@ def speculative_decoding(
     rows = RowBatch(input_ids, model_kwargs.get("attention_mask"), generation_config, pad_after_stop=has_eos_criterion,
                     attention_windows=attention_windows, mask_dtype=model.dtype,
                     compact_every_step=model.config.get_text_config().model_type in _SLOT_DISTANCE_MODEL_TYPES,
-                    keep_finished_rows=static or _row_adapter_names(model) is not None,
-                    prompt_slots=prompt_slots)
+                    keep_finished_rows=static or _peft_injected(model), prompt_slots=prompt_slots)
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
@@ -582,7 +581,7 @@ def _check_wrapping(model) -> None:
     activated = {name for name, config in (getattr(model, "peft_config", None) or {}).items()
                  if getattr(config, "alora_invocation_tokens", None)}
     if activated:  # an aLoRA loaded but not in use (another adapter active, no row naming it) changes nothing
-        in_use = set(_row_adapter_names(model) or ())
+        in_use = _adapters_named_per_row(model)
         for module in model.modules():
             if isinstance(getattr(type(module), "active_adapters", None), property):  # a PEFT tuner layer
                 in_use.update(module.active_adapters)
@@ -626,18 +625,19 @@ _ASSISTED_DECODING_OPTIONS = (
 )
 
 
-def _row_adapter_names(model) -> list[str] | None:
-    """The adapter of each batch row, where hooks hand the target's layers one per row for the whole `generate`:
-    PEFT's mixed-adapter batches (`peft_model.generate(adapter_names=[...])`) set a hook on every LoRA layer that
-    passes the list to each forward, and the layers refuse a batch of another size. Rows that finished then stay in
-    the batch (emitting nothing, as with a static cache), so that row i of every forward is still the row the list
-    names. None where no hook does so."""
-    for module in model.modules():
-        for hook in module._forward_pre_hooks.values():
-            names = (getattr(hook, "keywords", None) or {}).get("adapter_names")
-            if names is not None:
-                return list(names)
-    return None
+def _peft_injected(model) -> bool:
+    """Whether PEFT adapters are injected into the target's layers. PEFT can hand them per-row arguments fixed for the
+    whole `generate` (a mixed-adapter batch's `adapter_names`, Poly's `task_ids`), and the layers then refuse a batch
+    of another size: finished rows stay in the batch, emitting nothing (as with a static cache, and as plain `generate`
+    keeps every row), so that row i of every forward is still the row those arguments name."""
+    return bool(getattr(model, "peft_config", None))
+
+
+def _adapters_named_per_row(model) -> set[str]:
+    """The adapters a mixed-adapter batch names for its rows (`peft_model.generate(adapter_names=[...])`: PEFT hooks
+    every tuner layer with the list for the length of its `generate`)."""
+    return {name for module in model.modules() for hook in module._forward_pre_hooks.values()
+            for name in (getattr(hook, "keywords", None) or {}).get("adapter_names") or ()}
 
 
 def _check_not_assisted(generation_config, call_arguments: dict) -> None:

@@ -153,7 +153,8 @@ def test_targets_with_recurrent_or_conv_state_rows_equal_row_by_row(family, monk
         pytest.skip("a recurrent state rolls back from transformers 5.25 on (refusal: test_greedy.py)")
     per_row, windowed = [], []
     original = _compat.roll_back_rows
-    monkeypatch.setattr(_compat, "roll_back_rows", lambda c, n, kept: per_row.append(kept) or original(c, n, kept))
+    monkeypatch.setattr(_compat, "roll_back_rows",
+                        lambda c, n, kept, idle=None: per_row.append(kept) or original(c, n, kept, idle))
     original_masks = hf_specdiff.batching.windowed_masks
     monkeypatch.setattr(hf_specdiff.batching, "windowed_masks", lambda *a: windowed.append(1) or original_masks(*a))
     finished_early = 0
@@ -309,6 +310,64 @@ def test_a_peft_mixed_adapter_batch_keeps_each_row_on_its_adapter(method):
         other = wrapped.generate(input_ids=prompt[None], **{**options, "adapter_names": [names[1 - row]]})
         assert torch.equal(plain[row, ids.shape[1] - len(prompt):][: alone.shape[1]], alone[0])
         assert not torch.equal(alone, other)  # the adapters differ: a row on the wrong one would be caught
+
+
+def peft_batch_exact(wrapped, base, prompts, methods=METHODS, **per_row):
+    """Plain and speculative `generate` of a PEFT model over a padded batch whose first row ends on its third token
+    (its EOS), with `per_row` arguments (adapter_names, task_ids): the same tokens."""
+    ids, mask = left_pad(prompts)
+    options = dict(do_sample=False, max_new_tokens=12, pad_token_id=PAD, **per_row)
+    options["eos_token_id"] = int(wrapped.generate(input_ids=ids, attention_mask=mask, **options)[0, ids.shape[1] + 2])
+    plain = wrapped.generate(input_ids=ids, attention_mask=mask, **options)
+    assert (plain[1:, -1] != PAD).all(), "the other rows should outlive the first"
+    speculator = make_speculator(base)
+    for method in methods:
+        out = wrapped.generate(input_ids=ids, attention_mask=mask, assistant_model=speculator, speculation=method,
+                               **options)
+        assert torch.equal(out, plain), f"{method}:\n{out.tolist()}\n!=\n{plain.tolist()}"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba", "lfm2"])
+def test_a_peft_mixed_adapter_batch_on_layers_keeping_a_state(family):
+    """A finished row kept in the batch keeps no slot, and no state anyone reads: on layers that keep one (linear
+    attention, Mamba, convolutions) its state is left as the longest run's. It asked for the state from before the
+    whole verify forward, further back than the recorded history, and was refused."""
+    import peft
+
+    if family not in CONV_STATE_FAMILIES and not _compat.recurrent_rollback_supported():
+        pytest.skip("a recurrent state rolls back from transformers 5.25 on (refusal: test_greedy.py)")
+    base = make_state_target(family)
+    modules = {"qwen3_5": ["q_proj", "v_proj", "down_proj"], "mamba": ["in_proj", "x_proj"]}.get(family,
+                                                                                               ["q_proj", "v_proj"])
+    lora = dict(r=4, target_modules=modules, init_lora_weights=False)
+    wrapped = peft.get_peft_model(base, peft.LoraConfig(**lora), adapter_name="a")
+    wrapped.add_adapter("b", peft.LoraConfig(**lora))
+    wrapped.eval()
+    prompts = [torch.tensor([5, 9, 3, 7, 2]), torch.tensor([4, 9, 1, 33, 7, 12, 15])]
+    peft_batch_exact(wrapped, base, prompts, methods=["xpress"], adapter_names=["a", "b"])
+
+
+def test_a_peft_poly_batch_keeps_each_row_on_its_task():
+    """PEFT's Poly routes each row by its task (`generate(task_ids=...)`, handed to every Poly layer by a hook, for the
+    whole batch): finished rows stay in the batch, as with mixed adapters. The loop crashed when a row left it."""
+    import peft
+
+    base = make_successor_target()
+    config = peft.PolyConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+                             n_tasks=2, n_skills=2, n_splits=1)
+    wrapped = peft.get_peft_model(base, config).eval()
+    with torch.no_grad():
+        for name, parameter in wrapped.named_parameters():
+            if "poly" in name:
+                parameter.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    wrapped.double()
+    hf_specdiff.enable(base)
+    prompts = [torch.tensor([5, 9, 3, 7, 2]), torch.tensor([4, 9, 1, 33, 7, 12, 15]), torch.tensor([40, 41, 2, 3])]
+    ids, mask = left_pad(prompts)
+    routed = [wrapped.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
+                               task_ids=torch.tensor(tasks)) for tasks in ([0, 1, 0], [1, 0, 1])]
+    assert not torch.equal(*routed)  # the tasks matter
+    peft_batch_exact(wrapped, base, prompts, task_ids=torch.tensor([0, 1, 0]))
 
 
 def test_a_static_batch_keeps_its_rows_and_its_shapes(monkeypatch):
@@ -716,6 +775,12 @@ def test_a_chunked_prefill_drafts_from_the_whole_prompt(cache, record_drafts, mo
             assert max(widths[chunks:]) <= speculator.drafter.config.block_size
             assert out.speculation.target_forwards == len(widths) - chunks + 1  # the prefill counts once
     assert len(record_drafts) > 10
+    # the drafter's passes over the prompt's chunks and its first block count as its prefill, as one pass over both
+    # does without chunks (`bench` divides the draft time by the blocks after the first)
+    one_block = speculate(target, speculator, "xpress", ids, mask, prefill_chunk_size=4, **{**settings,
+                                                                                         "max_new_tokens": 3})
+    stats = one_block.speculation
+    assert stats.blocks == 1 and stats.draft_seconds == 0 < stats.draft_prefill_seconds
 
 
 @pytest.mark.parametrize("family", ["gemma3n", "mamba", "qwen3_5", "gemma3"])
