@@ -17,7 +17,8 @@ chosen because nothing is ever recomputed and every verify forward stays one blo
   With a static cache (`keep_finished_rows`) a finished row stays in the batch, as in plain static `generate`: every
   forward keeps its shapes, so that compiled forwards (CUDA graphs on a GPU) are captured once per call shape rather
   than once per number of rows left. It is fed its last token again, keeps none of its slots (they are holes) and
-  emits nothing.
+  emits nothing. A PEFT model's finished rows stay too: its layers may be handed one argument per row for the whole
+  `generate` (a mixed-adapter batch's `adapter_names`), and refuse a batch of another size.
 - Layers keeping a state instead of K/V (linear attention, state-space mixers, short convolutions: Qwen3.5, Bamba,
   LFM2, ...) have no slots, so nothing to mask: each row's state is put back to what it was after the row's own last
   kept token (`_compat.roll_back_rows`, from the per-token states transformers records).
@@ -124,7 +125,7 @@ class RowBatch:
         self.attention_windows, self.mask_dtype = attention_windows, mask_dtype
         # a target whose attention counts distances in cache slots rather than position ids needs a cache without holes
         self.compact_every_step = compact_every_step
-        self.keep_finished_rows = keep_finished_rows  # static caches: finished rows stay, emitting nothing
+        self.keep_finished_rows = keep_finished_rows  # static caches, PEFT: finished rows stay, emitting nothing
         self.batch_size, self.prompt_width = batch, width
         # cache slots of the prompt, which `attention_mask` covers: a prompt given as `inputs_embeds` has them without
         # their tokens (`input_ids` then holds none of them), else one per prompt token

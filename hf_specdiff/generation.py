@@ -205,9 +205,10 @@ def speculative_decoding(
     Caches (see `batching.py`): every verify forward's K/V stay in the target cache; slots past the longest accepted
     run are cropped, the other rows' rejected slots are masked out by a 2D attention mask, with per-row position ids.
     The drafter's cache mirrors the target's slot for slot. Both are compacted (each row's slots gathered, left-padded)
-    when holes fill more than half of them, and finished rows are dropped from the batch (kept, with a static cache,
-    so that every forward keeps its shapes). A single row has no holes
-    but its prompt's padding: an exact crop, as in plain speculative decoding (and no mask without padding).
+    when holes fill more than half of them, and finished rows are dropped from the batch (kept with a static cache, so
+    that every forward keeps its shapes, and on a PEFT model, whose layers may take one argument per row). A single
+    row has no holes but its prompt's padding: an exact crop, as in plain speculative decoding (and no mask without
+    padding).
     """
     _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, logits_processor, streamer)
     generation_config = _as_criteria_stop(generation_config, stopping_criteria)
