@@ -210,7 +210,8 @@ def speculative_decoding(
     row has no holes but its prompt's padding: an exact crop, as in plain speculative decoding (and no mask without
     padding).
     """
-    _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, logits_processor, streamer)
+    _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, logits_processor, streamer,
+                           prefill_chunk_length)
     generation_config = _as_criteria_stop(generation_config, stopping_criteria)
     do_sample = generation_config.do_sample
     want_dict = generation_config.return_dict_in_generate
@@ -228,6 +229,12 @@ def speculative_decoding(
     # prompt tokens the output starts with (none, or the same prompt's), as plain `generate` has it. The cache then
     # holds P prompt slots, and the rows' positions and mask count those.
     prompt_embeds = model_kwargs.get("inputs_embeds")
+    prompt_only_inputs = _prompt_only_inputs(model, model_kwargs)
+    # M-RoPE (Qwen2-VL and kin): `generate` placed the prompt's image tokens at 3D positions, (D, b, P) with the text
+    # positions first; every token after the prompt is text, each of its D positions running on from the prompt's last
+    # as in plain decoding: the loop's text position plus a per-row offset per dimension (set at the prefill).
+    prompt_positions = model_kwargs.get("position_ids")
+    multidimensional = _with_media(prompt_only_inputs) and prompt_positions is not None and prompt_positions.dim() == 3
     prompt_slots = input_ids.shape[1] if prompt_embeds is None else prompt_embeds.shape[1]
     # a batch on a target with sliding-window layers: windows counted per row, over a cache keeping every slot
     attention_windows = _attention_windows(model.config.get_text_config()) if input_ids.shape[0] > 1 else None
@@ -308,8 +315,15 @@ def speculative_decoding(
         # floats); a static verify forward keeps its fixed width's, so that its compiled call keeps one signature
         keep = "logits_to_keep" in model_kwargs and (first or not static)
         logits_kwargs = {"logits_to_keep": num_drafts + 1} if keep else {}
+        if multidimensional and first:
+            offsets = prompt_positions[..., -1] - positions[..., -1]  # (D, b), for each original row
+            positions = prompt_positions
+        elif multidimensional:
+            positions = positions[None] + offsets[:, rows.rows, None]  # (D, b, n)
         # the prefill of a prompt given as embeddings reads them (`fed` then holds the prompt's tokens, if any)
         inputs = {"inputs_embeds": prompt_embeds} if first and prompt_embeds is not None else {"input_ids": fed}
+        if first:  # images and the like, read with the prompt
+            inputs.update(prompt_only_inputs)
         num_fed = prompt_slots if first else fed.shape[1]
         forward_kwargs = dict(use_cache=True, output_hidden_states=hidden_states_request, **logits_kwargs,
                               **_compat.cache_kwargs(model, cache))
@@ -415,9 +429,38 @@ _STATEFUL_PROCESSORS = {
 # Model inputs `generate` prepares that the loop handles itself (positions and the cache are rebuilt per step).
 _HANDLED_MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
                          "inputs_embeds"}
+# Images, video and audio (and the encoder outputs transformers computes from them): read by the prompt's forward only,
+# as plain `generate` feeds them (transformers' own list). Whatever follows the prompt is text.
+_PROMPT_ONLY_INPUTS = frozenset(transformers.generation.utils.MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL) | {
+    "mm_encoder_outputs", "image_grid_thw", "video_grid_thw", "second_per_grid_ts"}  # (Qwen-VL's image sizes, < 5.25)
+# A multimodal prompt's token types mark its image (video, audio) tokens, for attention both ways within an image or
+# over a prefix (Gemma 3 and 4, PaliGemma). The tokens generated after the prompt are text and attend causally: what a
+# forward given no token types computes (Gemma 3 and 4's own generation hands them none after the prompt for that).
+_PROMPT_TOKEN_TYPES = frozenset({"token_type_ids", "mm_token_type_ids"})
 
 
-def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, logits_processor=None, streamer=None):
+def _prompt_only_inputs(model, model_kwargs: dict) -> dict:
+    """The inputs given that only the prompt's forward reads: images, video, audio (and the encoder outputs transformers
+    computes from them), and, on a multimodal model, the token types marking those in the prompt."""
+    modalities = model.input_modalities
+    multimodal = set((modalities,) if isinstance(modalities, str) else modalities) != {"text"}
+    names = _PROMPT_ONLY_INPUTS | _PROMPT_TOKEN_TYPES if multimodal else _PROMPT_ONLY_INPUTS
+    return {k: v for k, v in model_kwargs.items() if k in names and _given(v)}
+
+
+def _with_media(prompt_only_inputs: dict) -> bool:
+    """Whether the prompt has images, video or audio (not just token types)."""
+    return bool(set(prompt_only_inputs) - _PROMPT_TOKEN_TYPES)
+
+
+def _given(value) -> bool:
+    # an empty dict is no input: transformers (5.25) hands a vision-language target `mm_encoder_outputs={}` when the
+    # prompt has no image
+    return value is not None and not (isinstance(value, dict) and not value)
+
+
+def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, logits_processor=None, streamer=None,
+                           prefill_chunk_length=None):
     """What speculative decoding cannot do raises here, before any work. `input_ids` is already expanded: with
     num_return_sequences=n (sampling) each prompt is n rows of the batch, each decoded on its own."""
     batch_size = input_ids.shape[0]
@@ -490,15 +533,16 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
             "speculation=... does not return attentions or hidden states; set output_attentions=False and "
             "output_hidden_states=False."
         )
-    # an empty dict is no input: transformers (5.25) hands a vision-language target `mm_encoder_outputs={}` when the
-    # prompt has no image, and the loop then runs it as the text model it is
+    prompt_only = _prompt_only_inputs(model, model_kwargs)
     unsupported = sorted(k for k, v in model_kwargs.items()
-                         if v is not None and not (isinstance(v, dict) and not v) and k not in _HANDLED_MODEL_KWARGS)
+                         if _given(v) and k not in _HANDLED_MODEL_KWARGS and k not in prompt_only)
     if unsupported:
-        hint = ""
-        if {"pixel_values", "mm_encoder_outputs"} & set(unsupported):
-            hint = " (speculation reads text prompts; generate with images without it)"
-        raise ValueError(f"speculation=... does not support the model inputs {unsupported}; remove them{hint}.")
+        raise ValueError(f"speculation=... does not support the model inputs {unsupported}; remove them.")
+    if _with_media(prompt_only) and prefill_chunk_length:
+        raise ValueError(
+            "speculation=... reads a prompt with images (video, audio) in one forward: remove prefill_chunk_size (or "
+            "generate without speculation)."
+        )
     mask = model_kwargs.get("attention_mask")
     if (embeds := model_kwargs.get("inputs_embeds")) is not None:
         if embeds.dim() != 3 or embeds.shape[0] != batch_size or input_ids.shape[1] not in (0, embeds.shape[1]):

@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the Hub; set b
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import Gemma3Config, Gemma3ForConditionalGeneration, LlamaConfig, LlamaForCausalLM
 
 import hf_specdiff
 from hf_specdiff import AutoSpeculator
@@ -290,3 +290,26 @@ def chi_square_p_value(counts: dict[tuple, int], expected_probs: dict[tuple, flo
 def card_limitations(card: str) -> str:
     """The paragraph under a model card's "Limitations and intended use" heading."""
     return card.split("## Limitations and intended use\n\n", 1)[1].split("\n\n", 1)[0]
+
+
+def make_vision_language_target():
+    """Gemma 3 with a vision tower: images of 28 x 28 pixels, 4 soft tokens each (`GEMMA3_IMAGE`)."""
+    torch.manual_seed(0)
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=5, pad_token_id=0, bos_token_id=2, eos_token_id=None,
+                layer_types=["sliding_attention", "full_attention"] * 2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                          boi_token_index=297, eoi_token_index=298)
+    model = Gemma3ForConditionalGeneration(config)
+    # Gemma 3 initialises the image projection to zeros: every image would read the same
+    torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.5)
+    return hf_specdiff.enable(model.double().eval())
+
+
+GEMMA3_IMAGE = [297, 299, 299, 299, 299, 298]  # Gemma 3's start of image, its 4 soft tokens, end of image
+
+
+def random_images(count: int) -> torch.Tensor:
+    return torch.randn(count, 3, 28, 28, dtype=torch.float64, generator=torch.Generator().manual_seed(0))

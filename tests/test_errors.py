@@ -6,7 +6,14 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import make_speculator, make_successor_target, make_target
+from conftest import (
+    GEMMA3_IMAGE,
+    make_speculator,
+    make_successor_target,
+    make_target,
+    make_vision_language_target,
+    random_images,
+)
 from transformers import GenerationConfig, GenerationMixin, LlamaForCausalLM, StaticCache, SynthIDTextWatermarkingConfig
 from transformers.generation.streamers import BaseStreamer
 
@@ -370,6 +377,17 @@ def test_targets_the_loop_cannot_drive_are_refused(family):
     speculator = make_speculator(target)
     with pytest.raises(ValueError, match=f"{type(target).__name__} (takes|keeps) .* without speculation"):
         target.generate(PROMPT, max_new_tokens=5, assistant_model=speculator, speculation="dflash")
+
+
+def test_a_prompt_with_an_image_refuses_a_chunked_prefill():
+    """A prompt with an image is read in one forward (the image's soft tokens attend both ways, and its features go
+    where its tokens are): prefill_chunk_size is refused with it, not applied to part of the prompt."""
+    target = make_vision_language_target()
+    speculator = AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2, seed=1)
+    prompt = torch.tensor([[2, 5, *GEMMA3_IMAGE, 17]])
+    with pytest.raises(ValueError, match="prompt with images .* in one forward: remove prefill_chunk_size"):
+        target.generate(prompt, max_new_tokens=4, assistant_model=speculator, speculation="xpress",
+                        prefill_chunk_size=4, pixel_values=random_images(1))
 
 
 def test_a_bert_lm_head_built_as_an_encoder_is_refused():

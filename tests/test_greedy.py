@@ -7,12 +7,15 @@ import torch
 from conftest import (
     CONV_STATE_FAMILIES,
     STATE_FAMILIES,
+    GEMMA3_IMAGE,
     VOCAB,
     char_tokenizer,
     make_speculator,
     make_state_target,
     make_successor_target,
     make_target,
+    make_vision_language_target,
+    random_images,
     replay_greedy_drafts,
 )
 from transformers import GenerationConfig
@@ -177,18 +180,8 @@ def test_the_hidden_states_the_drafter_reads_are_the_full_forwards(family):
 
 def test_a_vision_language_target_speculates_on_text_prompts():
     """Gemma 3 from 4B up is a vision-language model: on text prompts it speculates like its text model (batch 1
-    dynamic and static, and a padded batch); a prompt with an image is refused with what to do."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    torch.manual_seed(0)
-    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, sliding_window=5, pad_token_id=0, bos_token_id=2, eos_token_id=None,
-                layer_types=["sliding_attention", "full_attention"] * 2)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
-                          boi_token_index=297, eoi_token_index=298)
-    target = hf_specdiff.enable(Gemma3ForConditionalGeneration(config).double().eval())
+    dynamic and static, and a padded batch)."""
+    target = make_vision_language_target()
     speculator = hf_specdiff.AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2, seed=1)
     generator = torch.Generator().manual_seed(0)
     for i in range(3):
@@ -204,9 +197,131 @@ def test_a_vision_language_target_speculates_on_text_prompts():
     out = target.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=15, assistant_model=speculator,
                           speculation="xpress")
     assert torch.equal(out, plain)
-    with pytest.raises(ValueError, match="generate with images without it"):
-        target.generate(prompt, pixel_values=torch.randn(1, 3, 28, 28, dtype=torch.float64), max_new_tokens=5,
-                        assistant_model=speculator, speculation="xpress")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_prompt_with_an_image_speculates_as_plain_generate(method, monkeypatch):
+    """Images (and the token types marking them, for Gemma 3's attention both ways within an image) are read with the
+    prompt; the verify forwards read text. A left-padded batch of prompts with an image each, drafts of every accepted
+    length, dynamic cache; each row alone, static cache."""
+    target = make_vision_language_target()
+    speculator = hf_specdiff.AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2, seed=1)
+    prompts = torch.tensor([[0, 0, 0, 2, 5, *GEMMA3_IMAGE, 17, 40, 41], [2, 9, 8, 7, 6, 5, *GEMMA3_IMAGE, 3, 3]])
+    inputs = dict(input_ids=prompts, attention_mask=(prompts != 0).long(), token_type_ids=(prompts == 299).long(),
+                  pixel_values=random_images(2))
+    plain = target.generate(**inputs, do_sample=False, max_new_tokens=24)
+    # the image and the token types both change the output (else this test could not fail)
+    assert not torch.equal(plain, target.generate(**{**inputs, "pixel_values": inputs["pixel_values"].flip(0)},
+                                                  do_sample=False, max_new_tokens=24))
+    assert not torch.equal(plain, target.generate(**{**inputs, "token_type_ids": None}, do_sample=False,
+                                                  max_new_tokens=24))
+    replay_greedy_drafts(monkeypatch, [row[int(row.nonzero()[0]):] for row in plain])  # left padding off
+    out = target.generate(**inputs, do_sample=False, max_new_tokens=24, assistant_model=speculator,
+                          speculation=method, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert len(set(out.speculation.accepted_lengths)) >= 3
+    for row in range(2):
+        start = 3 * (row == 0)  # its left padding off
+        alone = {k: v[row : row + 1, start:] if k != "pixel_values" else v[row : row + 1] for k, v in inputs.items()}
+        alone.pop("attention_mask")
+        out = target.generate(**alone, do_sample=False, max_new_tokens=24, assistant_model=speculator,
+                              speculation=method, cache_implementation="static")
+        assert torch.equal(out[0], plain[row, start:])
+
+
+def test_a_static_batch_of_prompts_with_images(monkeypatch):
+    """LLaVA (full attention, so a batch may keep a static cache): a left-padded batch of prompts with an image each,
+    drafts of every accepted length, static and dynamic caches."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=2, eos_token_id=None)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32)
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=299, vision_feature_layer=-1,
+                         vision_feature_select_strategy="default")  # 4 image tokens
+    target = hf_specdiff.enable(LlavaForConditionalGeneration(config).double().eval())
+    speculator = hf_specdiff.AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2, seed=1)
+    prompts = torch.tensor([[0, 0, 2, 5, *[299] * 4, 17, 40, 41], [2, 9, 8, 7, *[299] * 4, 6, 5, 3]])
+    inputs = dict(input_ids=prompts, attention_mask=(prompts != 0).long(), pixel_values=random_images(2))
+    plain = target.generate(**inputs, do_sample=False, max_new_tokens=20)
+    assert not torch.equal(plain, target.generate(**{**inputs, "pixel_values": inputs["pixel_values"].flip(0)},
+                                                  do_sample=False, max_new_tokens=20))
+    replay_greedy_drafts(monkeypatch, [row[int(row.nonzero()[0]):] for row in plain])  # left padding off
+    for cache in ("dynamic", "static"):
+        out = target.generate(**inputs, do_sample=False, max_new_tokens=20, assistant_model=speculator,
+                              speculation="xpress", cache_implementation=cache)
+        assert torch.equal(out, plain), cache
+
+
+def make_mrope_vision_language_target(family: str):
+    """Qwen2-VL, or Qwen3.5 (its linear-attention layers keep a recurrent state): image tokens at 3D (M-RoPE)
+    positions; an image of 4 x 4 patches, merged 2 x 2, is 4 image tokens between 297 and 296."""
+    import transformers
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                head_dim=16, num_key_value_heads=2, rope_parameters=rope, pad_token_id=0, bos_token_id=2,
+                eos_token_id=None)
+    vision = dict(depth=1, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                  in_channels=3)
+    image_tokens = dict(image_token_id=299, video_token_id=298, vision_start_token_id=297, vision_end_token_id=296)
+    if family == "qwen2_vl":
+        vision.update(embed_dim=32, hidden_size=64)
+        config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **image_tokens)
+        model = transformers.Qwen2VLForConditionalGeneration(config)
+    else:
+        text.update(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                    linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_conv_kernel_dim=4, rope_parameters={**rope, "mrope_interleaved": True,
+                                                               "partial_rotary_factor": 1.0})
+        vision.update(out_hidden_size=64, intermediate_size=64, num_position_embeddings=16)
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, **image_tokens)
+        model = transformers.Qwen3_5ForConditionalGeneration(config)
+    return hf_specdiff.enable(model.double().eval())
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5"])
+def test_a_prompt_with_an_image_at_3d_positions(family, monkeypatch):
+    """Qwen2-VL and its kin place a prompt's image tokens at 3D (M-RoPE) positions, which `generate` computes; every
+    token after the prompt is text, each of its positions running on from the prompt's last: the loop's text position
+    plus a per-row offset (negative here: 4 image tokens span 2 positions). A left-padded batch, drafts of every
+    accepted length, static and dynamic caches, each row alone."""
+    import inspect
+
+    from hf_specdiff import _compat
+
+    if family == "qwen3_5" and not _compat.recurrent_rollback_supported():
+        pytest.skip("a recurrent state rolls back from transformers 5.25 on")
+    target = make_mrope_vision_language_target(family)
+    speculator = hf_specdiff.AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2, seed=1)
+    image = [297, 299, 299, 299, 299, 296]
+    prompts = torch.tensor([[0, 0, 0, 2, 5, *image, 17, 40, 41], [2, 7, 6, 5, 9, *image, 3, 3, 4]])
+    inputs = dict(input_ids=prompts, attention_mask=(prompts != 0).long(), image_grid_thw=torch.tensor([[1, 4, 4]] * 2),
+                  pixel_values=torch.randn(32, 3 * 2 * 14 * 14, dtype=torch.float64,
+                                           generator=torch.Generator().manual_seed(0)))
+    if "mm_token_type_ids" in inspect.signature(target.model.get_rope_index).parameters:  # (5.25 finds images so)
+        inputs["mm_token_type_ids"] = (prompts == 299).int()
+    positions = target._prepare_position_ids_for_generation(prompts, dict(inputs))
+    assert positions.dim() == 3 and bool((positions[1:, :, -1] != positions[0, :, -1]).all())  # offsets to get right
+    plain = target.generate(**inputs, do_sample=False, max_new_tokens=20)
+    replay_greedy_drafts(monkeypatch, [row[int(row.nonzero()[0]):] for row in plain])  # left padding off
+    for cache in ("dynamic", "static") if family == "qwen2_vl" else ("dynamic",):
+        out = target.generate(**inputs, do_sample=False, max_new_tokens=20, assistant_model=speculator,
+                              speculation="xpress", cache_implementation=cache, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, plain), cache
+        assert len(set(out.speculation.accepted_lengths)) >= 3
+    for row in range(2):
+        real = int(inputs["attention_mask"][row].sum())
+        alone = dict(input_ids=prompts[row : row + 1, -real:], image_grid_thw=inputs["image_grid_thw"][row : row + 1],
+                     pixel_values=inputs["pixel_values"][16 * row : 16 * (row + 1)])
+        if "mm_token_type_ids" in inputs:
+            alone["mm_token_type_ids"] = inputs["mm_token_type_ids"][row : row + 1, -real:]
+        out = target.generate(**alone, do_sample=False, max_new_tokens=20, assistant_model=speculator,
+                              speculation="dflash")
+        assert torch.equal(out[0], plain[row, -real - 20 :])
 
 
 @pytest.mark.parametrize("family", STATE_FAMILIES)
