@@ -221,9 +221,17 @@ def load_default_target(dtype="float32", device: str | None = None, cache_dir=No
 
 def load_target(path_or_repo_id: str | None, dtype="float32", with_tokenizer: bool = True):
     """`(model, tokenizer)` of the target a command names: None is the embedded SmolLM2-135M-Instruct, else a local
-    folder or Hub id of a causal LM (tokenizer None when `with_tokenizer` is False). A path that holds no model fails
-    with what to do, before transformers would guess at a Hub repo or a config it cannot read."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder or Hub id of a causal LM or a vision-language model (tokenizer None when `with_tokenizer` is False). A path
+    that holds no model fails with what to do, before transformers would guess at a Hub repo or a config it cannot
+    read."""
+    from transformers import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+    )
 
     from ._hub import check_folder_or_repo_id, find_file
 
@@ -233,5 +241,15 @@ def load_target(path_or_repo_id: str | None, dtype="float32", with_tokenizer: bo
     check_folder_or_repo_id(path_or_repo_id, "target")
     find_file(str(path_or_repo_id), "config.json", "target", "Point at a causal LM's folder (its config.json beside "
               "the weights), or leave the target out for the embedded SmolLM2-135M-Instruct.")
-    model = AutoModelForCausalLM.from_pretrained(path_or_repo_id, dtype=dtype)
+    config = AutoConfig.from_pretrained(path_or_repo_id)
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        model_class = AutoModelForCausalLM
+    elif type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:  # Qwen2-VL and kin have no causal-LM class
+        model_class = AutoModelForImageTextToText
+    else:
+        raise ValueError(
+            f"{path_or_repo_id} holds a {config.model_type!r} model, which transformers loads neither as a causal LM "
+            "nor as a vision-language model: point at a decoder-only language model (or one with a vision tower)."
+        )
+    model = model_class.from_pretrained(path_or_repo_id, dtype=dtype)
     return model.eval(), AutoTokenizer.from_pretrained(path_or_repo_id) if with_tokenizer else None

@@ -673,7 +673,8 @@ def train(config: TrainConfig, target=None, tokenizer=None, progress: bool = Tru
     speculator = speculator.to(device=accelerator.device, dtype=torch.float32)
     target = target.to(accelerator.device)
     speculator.check_compatible(target, placement=False)
-    pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+    pad_id = getattr(target.config.get_text_config(), "pad_token_id", None)  # (a VLM's lives in its text config)
+    pad_id = 0 if pad_id is None else pad_id
     checkpoints = output_dir / "checkpoints"
     if _latest_checkpoint(checkpoints) is not None:
         check_resumable(output_dir, config, _SHAPING_FIELDS)

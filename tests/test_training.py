@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 from types import SimpleNamespace
@@ -168,6 +169,35 @@ def test_unsupported_target_fails_before_training(tmp_path, target):
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB))
     with pytest.raises(ValueError, match="decoder-only models with Llama's geometry fields"):
         train(tiny_config(tmp_path, data, holdout_sequences=2), target=gpt2, progress=False)
+
+
+def test_a_vision_language_target_trains_from_its_folder(tmp_path):
+    """`--target` a vision-language model's folder (Qwen2-VL has no causal-LM class; its pad id lives in its text
+    config): the speculator trains on text and speculates on a prompt with an image as plain generate decodes it. A
+    folder holding neither a causal LM nor a vision-language model is refused by name."""
+    from test_greedy import make_mrope_vision_language_target
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    import hf_specdiff
+
+    target = make_mrope_vision_language_target("qwen2_vl").float()
+    target.save_pretrained(tmp_path / "target")
+    data = write_distill(tmp_path / "distill.jsonl", target, rows=8)
+    speculator = train(tiny_config(tmp_path, data, max_steps=4, target=str(tmp_path / "target")), progress=False)
+    prompt = torch.tensor([[2, 5, 297, 299, 299, 299, 299, 296, 17, 40]])
+    image = dict(image_grid_thw=torch.tensor([[1, 4, 4]]), pixel_values=torch.randn(16, 3 * 2 * 14 * 14))
+    if "mm_token_type_ids" in inspect.signature(target.model.get_rope_index).parameters:
+        image["mm_token_type_ids"] = (prompt == 299).int()
+    plain = target.generate(prompt, **image, do_sample=False, max_new_tokens=12)
+    out = hf_specdiff.enable(target).generate(prompt, **image, do_sample=False, max_new_tokens=12,
+                                              assistant_model=speculator, speculation="xpress")
+    assert torch.equal(out, plain)
+
+    CLIPVisionModel(CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     image_size=28, patch_size=14)).save_pretrained(tmp_path / "vision")
+    with pytest.raises(ValueError, match="holds a 'clip_vision_model' model, which transformers loads neither as a "
+                                         "causal LM nor as a vision-language model"):
+        train(tiny_config(tmp_path, data, max_steps=4, target=str(tmp_path / "vision")), progress=False)
 
 
 class FakeClock:
