@@ -432,7 +432,10 @@ _HANDLED_MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "past_key_va
 # Images, video and audio (and the encoder outputs transformers computes from them): read by the prompt's forward only,
 # as plain `generate` feeds them (transformers' own list). Whatever follows the prompt is text.
 _PROMPT_ONLY_INPUTS = frozenset(transformers.generation.utils.MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL) | {
-    "mm_encoder_outputs", "image_grid_thw", "video_grid_thw", "second_per_grid_ts"}  # (Qwen-VL's image sizes, < 5.25)
+    "mm_encoder_outputs",
+    "image_grid_thw", "video_grid_thw", "second_per_grid_ts",  # Qwen-VL's image and video sizes (before 5.25)
+    "feature_attention_mask",  # Qwen2-Audio's mask over the audio features
+}
 # A multimodal prompt's token types mark its image (video, audio) tokens, for attention both ways within an image or
 # over a prefix (Gemma 3 and 4, PaliGemma). The tokens generated after the prompt are text and attend causally: what a
 # forward given no token types computes (Gemma 3 and 4's own generation hands them none after the prompt for that).

@@ -255,6 +255,33 @@ def test_a_static_batch_of_prompts_with_images(monkeypatch):
         assert torch.equal(out, plain), cache
 
 
+def test_a_prompt_with_audio_speculates_as_plain_generate(monkeypatch):
+    """Qwen2-Audio: the audio features and their mask go with the prompt's forward (16 mel frames are 4 audio tokens).
+    A left-padded batch, drafts of every accepted length."""
+    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = dict(model_type="qwen2", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=2, eos_token_id=None)
+    audio = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
+                 max_source_positions=8)
+    config = Qwen2AudioConfig(text_config=text, audio_config=audio, audio_token_index=299)
+    target = hf_specdiff.enable(Qwen2AudioForConditionalGeneration(config).double().eval())
+    speculator = hf_specdiff.AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2, seed=1)
+    prompts = torch.tensor([[0, 0, 2, 5, 299, 299, 299, 299, 17, 40], [2, 9, 8, 299, 299, 299, 299, 7, 6, 5]])
+    features = torch.randn(2, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    inputs = dict(input_ids=prompts, attention_mask=(prompts != 0).long(), input_features=features,
+                  feature_attention_mask=torch.ones(2, 16, dtype=torch.long))
+    plain = target.generate(**inputs, do_sample=False, max_new_tokens=20)
+    assert not torch.equal(plain, target.generate(**{**inputs, "input_features": features.flip(0)}, do_sample=False,
+                                                  max_new_tokens=20))
+    replay_greedy_drafts(monkeypatch, [row[int(row.nonzero()[0]):] for row in plain])  # left padding off
+    out = target.generate(**inputs, do_sample=False, max_new_tokens=20, assistant_model=speculator,
+                          speculation="xpress", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert len(set(out.speculation.accepted_lengths)) >= 3
+
+
 def make_mrope_vision_language_target(family: str):
     """Qwen2-VL, or Qwen3.5 (its linear-attention layers keep a recurrent state): image tokens at 3D (M-RoPE)
     positions; an image of 4 x 4 patches, merged 2 x 2, is 4 image tokens between 297 and 296."""
