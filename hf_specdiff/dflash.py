@@ -231,6 +231,14 @@ class DFlashDraftModel(PreTrainedModel):
         the target's `output_hidden_states` tuple (index 0 = embeddings); `num_tokens` keeps the first n positions.
         A target that stacks parallel residual streams in each hidden state (Gemma 3n's AltUp: (streams, b, n, H))
         is read at its first, the active stream of Gemma 3n's configs (`altup_active_idx` 0)."""
+        num_layers, found = self.config.num_target_layers, len(target_hidden_states)
+        if num_layers is not None and found != num_layers + 1 or found <= max(self.config.layer_ids) + 1:
+            expected = f" ({num_layers + 1})" if num_layers is not None else ""
+            raise ValueError(
+                f"The target returned {found} hidden states, not its embeddings' and one per "
+                f"layer{expected}: its forward skips layers (Mllama skips its cross-attention layers on a prompt "
+                "without images), so the layers this drafter reads cannot be found. Generate without speculation."
+            )
         layers = [target_hidden_states[i + 1] for i in self.config.layer_ids]
         if missing := [i for i, h in zip(self.config.layer_ids, layers) if h is None]:
             raise ValueError(f"The target returned no hidden states for layers {missing}, "

@@ -445,10 +445,13 @@ _PROMPT_TOKEN_TYPES = frozenset({"token_type_ids", "mm_token_type_ids"})
 def _prompt_only_inputs(model, model_kwargs: dict) -> dict:
     """The inputs given that only the prompt's forward reads: images, video, audio (and the encoder outputs transformers
     computes from them), and, on a multimodal model, the token types marking those in the prompt."""
-    modalities = model.input_modalities
-    multimodal = set((modalities,) if isinstance(modalities, str) else modalities) != {"text"}
-    names = _PROMPT_ONLY_INPUTS | _PROMPT_TOKEN_TYPES if multimodal else _PROMPT_ONLY_INPUTS
+    names = _PROMPT_ONLY_INPUTS | _PROMPT_TOKEN_TYPES if _multimodal(model) else _PROMPT_ONLY_INPUTS
     return {k: v for k, v in model_kwargs.items() if k in names and _given(v)}
+
+
+def _multimodal(model) -> bool:
+    modalities = model.input_modalities
+    return set((modalities,) if isinstance(modalities, str) else modalities) != {"text"}
 
 
 def _with_media(prompt_only_inputs: dict) -> bool:
@@ -540,7 +543,9 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
     unsupported = sorted(k for k, v in model_kwargs.items()
                          if _given(v) and k not in _HANDLED_MODEL_KWARGS and k not in prompt_only)
     if unsupported:
-        raise ValueError(f"speculation=... does not support the model inputs {unsupported}; remove them.")
+        hint = " (or, if the model reads them beside its images, generate without speculation)" if _multimodal(
+            model) else ""
+        raise ValueError(f"speculation=... does not support the model inputs {unsupported}; remove them{hint}.")
     if _with_media(prompt_only) and prefill_chunk_length:
         raise ValueError(
             "speculation=... reads a prompt with images (video, audio) in one forward: remove prefill_chunk_size (or "

@@ -469,11 +469,13 @@ class AutoSpeculator:
                     f"{type(target).__name__} has no `{field}` in its config: hf_specdiff drafts for decoder-only "
                     "models with Llama's geometry fields (Llama, Mistral, Qwen, Gemma, Phi-3, OLMo, GPT-NeoX, ...)."
                 )
-        vocab_size = target.get_input_embeddings().weight.shape[0]
+        # the drafts are read out through the target's lm_head; the mask token need only be embeddable (Mllama's
+        # embedding table has 8 rows past its lm_head's)
+        vocab_size = target.get_output_embeddings().weight.shape[0]
         if target_layer_ids is None:
             target_layer_ids = spread_layer_ids(text.num_hidden_layers, num_draft_layers)
         if mask_token_id is None:
-            mask_token_id = vocab_size - 1
+            mask_token_id = target.get_input_embeddings().weight.shape[0] - 1
         if seed is not None:
             torch.manual_seed(seed)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads

@@ -390,6 +390,34 @@ def test_a_prompt_with_an_image_refuses_a_chunked_prefill():
                         prefill_chunk_size=4, pixel_values=random_images(1))
 
 
+def test_mllama_is_refused_with_what_it_skips():
+    """Llama 3.2 Vision (Mllama): its embedding table has 8 rows past its lm_head's, and from_target builds a drafter
+    reading out over the lm_head's (it built one over the embedding's, which the target then refused). Its forward
+    skips its cross-attention layers on a prompt without images, so fewer hidden states than layers come back: refused
+    by name (it failed with an IndexError); a prompt with images, whose cross-attention mask every step reads, too."""
+    from transformers import MllamaConfig, MllamaForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, cross_attention_layers=[1], pad_token_id=0, bos_token_id=2, eos_token_id=None)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                  image_size=28, patch_size=14, max_num_tiles=1, intermediate_layers_indices=[0],
+                  vision_output_dim=64, supported_aspect_ratios=[[1, 1]])
+    config = MllamaConfig(text_config=text, vision_config=vision, image_token_index=299)
+    target = hf_specdiff.enable(MllamaForConditionalGeneration(config).double().eval())
+    speculator = AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2, seed=1)
+    assert speculator.drafter.config.vocab_size == 300 and speculator.drafter.config.mask_token_id == 307
+    prompt = torch.tensor([[2, 299, 5, 17, 40]])
+    with pytest.raises(ValueError, match="returned 2 hidden states, not its embeddings' and one per layer \\(3\\)"):
+        target.generate(prompt[:, 2:], max_new_tokens=4, assistant_model=speculator, speculation="xpress")
+    image = dict(pixel_values=torch.randn(1, 1, 1, 3, 28, 28, dtype=torch.float64),
+                 aspect_ratio_ids=torch.tensor([[1]]), aspect_ratio_mask=torch.ones(1, 1, 1, dtype=torch.long),
+                 cross_attention_mask=torch.ones(1, 5, 1, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="cross_attention_mask.*if the model reads them beside its images, generate "
+                                         "without speculation"):
+        target.generate(prompt, max_new_tokens=4, assistant_model=speculator, speculation="xpress", **image)
+
+
 def test_a_bert_lm_head_built_as_an_encoder_is_refused():
     """BertLMHeadModel (and RoBERTa, XLM-R, ... heads) attend both ways unless their config says is_decoder=True: a
     draft changes the logits of the tokens before it (its output differed from plain greedy on every prompt before
