@@ -160,20 +160,23 @@ def first_stop(new_tokens, emitted, rows, stopping_criteria, generation_config, 
 
 
 def prefill_in_chunks(model, prompt: dict, positions, attention_mask, chunk_size: int, mask_covers_cache: bool = True,
-                      chunk_done=None, **forward_kwargs):
+                      chunk_done=None, token_types: dict | None = None, **forward_kwargs):
     """The prompt's forward in chunks of `chunk_size` positions, as `generate(..., prefill_chunk_size=...)` runs it
     (each chunk attends to the cache and to itself, the mask cut at its end; a model without keys to mask,
     `mask_covers_cache=False`, reads the mask of the chunk's own tokens), so that a long prompt's activations are held
     a chunk at a time. `prompt`: {"input_ids" or "inputs_embeds": (b, P[, H])}. `chunk_done(hidden_states, start)`
-    takes each chunk's hidden states as it comes (the drafter writes its context K/V from them).
+    takes each chunk's hidden states as it comes (the drafter writes its context K/V from them). `token_types`
+    ({name: (b, P)}, a multimodal model's token types of a prompt without images): each chunk reads them up to its end,
+    as the mask, as transformers' own chunked prefill hands them.
 
     Returns the last chunk's output."""
     (name, values), = prompt.items()
     for start in range(0, values.shape[1], chunk_size):
         end = min(start + chunk_size, values.shape[1])
         mask = None if attention_mask is None else attention_mask[:, 0 if mask_covers_cache else start : end]
+        types = {key: types[..., :end] for key, types in (token_types or {}).items()}
         outputs = model(**{name: values[:, start:end]}, position_ids=positions[..., start:end], attention_mask=mask,
-                        **forward_kwargs)
+                        **types, **forward_kwargs)
         if chunk_done is not None:
             chunk_done(outputs.hidden_states, start)
     return outputs
@@ -330,8 +333,11 @@ def speculative_decoding(
         if first and prefill_chunk_length:  # (counted as one target forward, the prefill)
             # the drafter writes its cache of each chunk from the chunk's hidden states as they come
             write_drafter_cache = functools.partial(drafter.cache_prompt_chunk, prompt_mask=rows.prompt_mask)
-            outputs = prefill_in_chunks(model, inputs, positions, attention_mask, prefill_chunk_length, masks_keys,
-                                        chunk_done=write_drafter_cache, **forward_kwargs)
+            # (images are refused with a chunked prefill: what else the prompt has is its token types)
+            prompt = {k: v for k, v in inputs.items() if k not in prompt_only_inputs}
+            outputs = prefill_in_chunks(model, prompt, positions, attention_mask, prefill_chunk_length, masks_keys,
+                                        chunk_done=write_drafter_cache, token_types=prompt_only_inputs,
+                                        **forward_kwargs)
         else:
             with contextlib.nullcontext() if first else verify_layout:
                 outputs = (model if first else verify_forward)(  # the prefill's shape is seen once: never compiled

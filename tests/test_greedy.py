@@ -351,6 +351,21 @@ def test_a_prompt_with_an_image_at_3d_positions(family, monkeypatch):
         assert torch.equal(out[0], plain[row, -real - 20 :])
 
 
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_vl"])
+def test_a_text_prompt_with_token_types_prefills_in_chunks(family):
+    """A vision-language model's processor hands a text prompt its token types too (all text): a chunked prefill reads
+    them up to each chunk's end, as transformers' own (it crashed on them)."""
+    target = make_vision_language_target() if family == "gemma3" else make_mrope_vision_language_target(family)
+    speculator = hf_specdiff.AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2, seed=1)
+    prompts = torch.tensor([[0, 0, 2, 5, 17, 40, 41, 8, 9, 10, 11], [2, 9, 8, 7, 6, 5, 4, 3, 3, 8, 1]])
+    types = {"token_type_ids" if family == "gemma3" else "mm_token_type_ids": torch.zeros_like(prompts)}
+    inputs = dict(input_ids=prompts, attention_mask=(prompts != 0).long(), **types)
+    plain = target.generate(**inputs, do_sample=False, max_new_tokens=16)
+    out = target.generate(**inputs, do_sample=False, max_new_tokens=16, prefill_chunk_size=4,
+                          assistant_model=speculator, speculation="xpress")
+    assert torch.equal(out, plain)
+
+
 @pytest.mark.parametrize("family", STATE_FAMILIES)
 def test_targets_with_recurrent_or_conv_state_roll_it_back(family, monkeypatch):
     """A rejected draft must leave no trace in a layer's recurrent or conv state: transformers 5.25 restores the state
