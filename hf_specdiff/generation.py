@@ -441,6 +441,7 @@ _PROMPT_ONLY_INPUTS = frozenset(transformers.generation.utils.MULTIMODAL_INPUTS_
     "mm_encoder_outputs",
     "image_grid_thw", "video_grid_thw", "second_per_grid_ts",  # Qwen-VL's image and video sizes (before 5.25)
     "feature_attention_mask",  # Qwen2-Audio's mask over the audio features
+    "image_position_ids", "video_position_ids", "num_frames_per_video",  # Gemma 4's patch positions (before 5.24)
 }
 # A multimodal prompt's token types mark its image (video, audio) tokens, for attention both ways within an image or
 # over a prefix (Gemma 3 and 4, PaliGemma). The tokens generated after the prompt are text and attend causally: what a

@@ -351,6 +351,34 @@ def test_a_prompt_with_an_image_at_3d_positions(family, monkeypatch):
         assert torch.equal(out[0], plain[row, -real - 20 :])
 
 
+def test_a_gemma4_prompt_with_an_image_and_its_patch_positions():
+    """Gemma 4's images come with their patches' positions (`image_position_ids`), which transformers before 5.24
+    hands the loop as they are (later ones encode the image first): read with the prompt, not refused."""
+    import transformers
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=8, hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=300, layer_types=["sliding_attention", "full_attention", "full_attention"],
+                pad_token_id=0, bos_token_id=2, eos_token_id=None, use_bidirectional_attention="vision")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2, position_embedding_size=16)
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, boi_token_id=297,
+                                       eoi_token_id=298, image_token_id=299, video_token_id=296, audio_token_id=295,
+                                       boa_token_id=294, eoa_token_index=293)
+    target = hf_specdiff.enable(transformers.Gemma4ForConditionalGeneration(config).double().eval())
+    speculator = hf_specdiff.AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2, seed=1)
+    prompts = torch.tensor([[0, 0, 0, 2, 5, *GEMMA3_IMAGE, 17, 40, 41], [2, 9, 8, 7, 6, 5, *GEMMA3_IMAGE, 3, 3]])
+    patches = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1).reshape(1, 16, 2)
+    inputs = dict(input_ids=prompts, attention_mask=(prompts != 0).long(), mm_token_type_ids=(prompts == 299).long(),
+                  pixel_values=torch.rand(2, 16, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(0)),
+                  image_position_ids=patches.expand(2, -1, -1))  # 4 x 4 patches of 4 x 4 pixels, pooled 2 x 2
+    plain = target.generate(**inputs, do_sample=False, max_new_tokens=20)
+    out = target.generate(**inputs, do_sample=False, max_new_tokens=20, assistant_model=speculator,
+                          speculation="xpress")
+    assert torch.equal(out, plain)
+
+
 @pytest.mark.parametrize("family", ["gemma3", "qwen2_vl"])
 def test_a_text_prompt_with_token_types_prefills_in_chunks(family):
     """A vision-language model's processor hands a text prompt its token types too (all text): a chunked prefill reads
