@@ -442,6 +442,9 @@ _PROMPT_ONLY_INPUTS = frozenset(transformers.generation.utils.MULTIMODAL_INPUTS_
     "image_grid_thw", "video_grid_thw", "second_per_grid_ts",  # Qwen-VL's image and video sizes (before 5.25)
     "feature_attention_mask",  # Qwen2-Audio's mask over the audio features
     "image_position_ids", "video_position_ids", "num_frames_per_video",  # Gemma 4's patch positions (before 5.24)
+    # images per prompt (LLaVA-OneVision), patch grids (LFM2-VL), crops per image (Molmo2): read with the pixels only;
+    # transformers before 5.24 (Molmo2's: 5.25) hands them to the loop as they are
+    "batch_num_images", "spatial_shapes", "image_num_crops",
 }
 # A multimodal prompt's token types mark its image (video, audio) tokens, for attention both ways within an image or
 # over a prefix (Gemma 3 and 4, PaliGemma). The tokens generated after the prompt are text and attend causally: what a

@@ -255,6 +255,78 @@ def test_a_static_batch_of_prompts_with_images(monkeypatch):
         assert torch.equal(out, plain), cache
 
 
+def vision_language_target_and_inputs(family: str):
+    """A left-padded batch of 2 prompts with an image each, and the input beside the pixels that names it (images per
+    prompt, patch grids, crops per image); transformers before 5.24 (Molmo2: 5.25) hands that to the loop as it is."""
+    import inspect
+
+    import transformers
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, pad_token_id=0, bos_token_id=2, eos_token_id=None, tie_word_embeddings=False)
+    pixels = torch.randn(3, 16, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    if family == "llava_onevision":  # an image of 2 tiles is 10 tokens
+        vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, image_size=28, patch_size=14)
+        config = transformers.LlavaOnevisionConfig(text_config={**text, "model_type": "qwen2"}, vision_config=vision,
+                                                   image_token_index=299, image_grid_pinpoints=[[28, 28]],
+                                                   vision_feature_layer=-1, vision_feature_select_strategy="full")
+        model, name, images = transformers.LlavaOnevisionForConditionalGeneration(config), "batch_num_images", [10, 10]
+        inputs = dict(pixel_values=random_images(4).view(2, 2, 3, 28, 28), image_sizes=torch.tensor([[28, 28]] * 2),
+                      batch_num_images=torch.tensor([1, 1]))
+    elif family == "lfm2_vl":  # 4 x 4 and 2 x 4 patches, merged 2 x 2: 4 and 2 tokens
+        text.update(model_type="lfm2", layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False)
+        vision = dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, patch_size=4, num_patches=16, vision_use_head=False)
+        config = transformers.Lfm2VlConfig(text_config=text, vision_config=vision, image_token_id=299,
+                                           projector_hidden_size=64, tie_word_embeddings=False)
+        model, name, images = transformers.Lfm2VlForConditionalGeneration(config), "spatial_shapes", [4, 2]
+        inputs = dict(pixel_values=pixels[:2], spatial_shapes=torch.tensor([[4, 4], [2, 4]]),
+                      pixel_attention_mask=torch.arange(16).expand(2, -1) < torch.tensor([[16], [8]]))
+    else:  # Molmo2: 2 crops (low and high resolution) and 1 of 4 x 4 patches, each pooled 2 x 2 into 4 tokens
+        if not hasattr(transformers, "Molmo2ForConditionalGeneration"):
+            pytest.skip("Molmo2 is in transformers 5.24 and later")
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16, image_size=[16, 16], patch_size=4)
+        adapter = dict(vision_feature_layer=[-1], hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+                       head_dim=16, intermediate_size=64, text_hidden_size=64)
+        config = transformers.Molmo2Config(text_config={**text, "head_dim": 16}, vision_config=vision,
+                                           adapter_config=adapter, image_patch_id=299)
+        model, name, images = transformers.Molmo2ForConditionalGeneration(config), "image_num_crops", [8, 4]
+        with torch.no_grad():  # its adapter's small random weights pool features of ~1e-9: the image would not count
+            for weight in model.model.multi_modal_projector.parameters():
+                weight.normal_(0, 0.5)
+        # each token pools a 2 x 2 block of patches, of its image's crops (before 5.25: of all crops)
+        block = torch.tensor([[0, 1, 4, 5]]) + torch.tensor([0, 2, 8, 10])[:, None]
+        offsets_by_model = "image_num_crops" in inspect.signature(model.model.get_image_features).parameters
+        inputs = dict(pixel_values=pixels, image_grids=torch.tensor([[2, 2, 2, 2], [2, 2, 0, 0]]),
+                      image_num_crops=torch.tensor([2, 1]),
+                      image_token_pooling=torch.cat([block, block + 16, block + (0 if offsets_by_model else 32)]))
+    rows = [[2, 5, *[299] * images[0], 17], [2, 9, 8, 7, 6, 5, 4, *[299] * images[1], 6, 5, 3]]
+    prompts = torch.tensor([[0] * (len(rows[1]) - len(rows[0])) + rows[0], rows[1]])
+    inputs.update(input_ids=prompts, attention_mask=(prompts != 0).long())
+    if family == "molmo2":  # its processor's, as a batch's, marking the image tokens
+        inputs.update(mm_token_type_ids=(prompts == 299).long())
+    return hf_specdiff.enable(model.double().eval()), inputs, name
+
+
+@pytest.mark.parametrize("family", ["llava_onevision", "lfm2_vl", "molmo2"])
+def test_what_describes_a_prompts_images_goes_with_the_prompt(family, monkeypatch):
+    """LLaVA-OneVision's `batch_num_images`, LFM2-VL's `spatial_shapes`, Molmo2's `image_num_crops`: read with the
+    pixels only, so with the prompt's forward, not refused. A left-padded batch, drafts of every accepted length."""
+    target, inputs, name = vision_language_target_and_inputs(family)
+    assert name in hf_specdiff.generation._prompt_only_inputs(target, inputs)
+    speculator = hf_specdiff.AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2, seed=1)
+    plain = target.generate(**inputs, do_sample=False, max_new_tokens=20)
+    assert not torch.equal(plain, target.generate(**{**inputs, "pixel_values": -inputs["pixel_values"]},
+                                                  do_sample=False, max_new_tokens=20))
+    replay_greedy_drafts(monkeypatch, [row[int(row.nonzero()[0]):] for row in plain])  # left padding off
+    out = target.generate(**inputs, do_sample=False, max_new_tokens=20, assistant_model=speculator,
+                          speculation="xpress")
+    assert torch.equal(out, plain)
+
+
 def test_a_prompt_with_audio_speculates_as_plain_generate(monkeypatch):
     """Qwen2-Audio: the audio features and their mask go with the prompt's forward (16 mel frames are 4 audio tokens).
     A left-padded batch, drafts of every accepted length."""
