@@ -174,9 +174,9 @@ def prefill_in_chunks(model, prompt: dict, positions, attention_mask, chunk_size
     for start in range(0, values.shape[1], chunk_size):
         end = min(start + chunk_size, values.shape[1])
         mask = None if attention_mask is None else attention_mask[:, 0 if mask_covers_cache else start : end]
-        types = {key: types[..., :end] for key, types in (token_types or {}).items()}
+        types_so_far = {key: types[..., :end] for key, types in (token_types or {}).items()}
         outputs = model(**{name: values[:, start:end]}, position_ids=positions[..., start:end], attention_mask=mask,
-                        **types, **forward_kwargs)
+                        **types_so_far, **forward_kwargs)
         if chunk_done is not None:
             chunk_done(outputs.hidden_states, start)
     return outputs
