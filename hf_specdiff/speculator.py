@@ -84,7 +84,9 @@ class Speculator(nn.Module):
             "A Speculator is used through hf_specdiff: call hf_specdiff.enable(model) once, then "
             "model.generate(..., assistant_model=speculator, speculation='xpress' | 'dflash' | 'markov'). With a "
             "pipeline, enable its model and pass both to the call, pipe(..., assistant_model=speculator, "
-            "speculation=...), not to pipeline(): transformers' pipeline expects an assistant language model there. "
+            "speculation=...), not to pipeline(): transformers' pipeline expects an assistant language model there "
+            "(an image-text-to-text pipeline hands its call's keywords to the processor: pass "
+            "generate_kwargs=dict(assistant_model=speculator, speculation=...)). "
             "transformers' native dFlash path (speculation_type='dflash') takes speculator.drafter on a model not "
             "enabled."
         )

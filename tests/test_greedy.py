@@ -327,6 +327,62 @@ def test_what_describes_a_prompts_images_goes_with_the_prompt(family, monkeypatc
     assert torch.equal(out, plain)
 
 
+def test_an_image_text_to_text_pipeline_with_a_speculator(monkeypatch):
+    """A user's image-text-to-text pipeline (LLaVA with SmolLM2's tokenizer, a processor turning PIL images and chats
+    into its inputs) gives plain greedy's answers with the speculator in `generate_kwargs`: that pipeline hands its
+    other call keywords to the processor, which ignores them. Passing the speculator to pipeline() says where it
+    goes."""
+    import numpy as np
+    from PIL import Image
+    from transformers import (AutoTokenizer, CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration,
+                              LlavaProcessor, pipeline)
+
+    from hf_specdiff.candidates import BlockDiffusionCandidateGenerator
+    from hf_specdiff.embedded import default_target_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_target_path())
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.padding_side = "left"  # which this pipeline sets itself from transformers 5.25 on
+    torch.manual_seed(0)
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=None)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32)
+    config = LlavaConfig(text_config=text, vision_config=vision, vision_feature_layer=-1,
+                         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+                         vision_feature_select_strategy="default")  # 4 image tokens
+    target = hf_specdiff.enable(LlavaForConditionalGeneration(config).eval())
+    chat_template = (  # SmolLM2's, with images in a message's content
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+        "<image>{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
+        tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default", image_token="<image>",
+        num_additional_image_tokens=1, chat_template=chat_template)
+    pipe = pipeline("image-text-to-text", model=target, processor=processor)
+    images = [Image.fromarray(np.random.default_rng(i).integers(0, 256, (28, 28, 3), dtype=np.uint8)) for i in (0, 1)]
+
+    def chats(images):
+        return [[{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
+                for image, question in zip(images, ["What is this?", "Describe the picture in a few words."])]
+
+    kwargs = dict(max_new_tokens=20, batch_size=2)
+    plain = pipe(text=chats(images), generate_kwargs=dict(do_sample=False), **kwargs)
+    assert plain != pipe(text=chats(images[::-1]), generate_kwargs=dict(do_sample=False), **kwargs)  # images matter
+    drafts = []
+    original = BlockDiffusionCandidateGenerator.get_candidates
+    monkeypatch.setattr(BlockDiffusionCandidateGenerator, "get_candidates",
+                        lambda *args, **kw: drafts.append(original(*args, **kw)) or drafts[-1])
+    speculator = hf_specdiff.AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2, seed=1)
+    speculative = dict(do_sample=False, assistant_model=speculator, speculation="xpress")
+    spec = pipe(text=chats(images), generate_kwargs=speculative, **kwargs)
+    assert spec == plain and drafts
+    with pytest.raises(TypeError, match="generate_kwargs"):
+        pipeline("image-text-to-text", model=target, processor=processor, assistant_model=speculator)
+
+
 def test_a_prompt_with_audio_speculates_as_plain_generate(monkeypatch):
     """Qwen2-Audio: the audio features and their mask go with the prompt's forward (16 mel frames are 4 audio tokens).
     A left-padded batch, drafts of every accepted length."""
