@@ -445,6 +445,9 @@ _PROMPT_ONLY_INPUTS = frozenset(transformers.generation.utils.MULTIMODAL_INPUTS_
     # images per prompt (LLaVA-OneVision), patch grids (LFM2-VL), crops per image (Molmo2): read with the pixels only;
     # transformers before 5.24 (Molmo2's: 5.25) hands them to the loop as they are
     "batch_num_images", "spatial_shapes", "image_num_crops",
+    # Qwen2.5-Omni's and Qwen3-Omni's audio lengths and video timing, and whether a video's audio is interleaved with
+    # its frames: read for the prompt's 3D positions only
+    "audio_feature_lengths", "video_second_per_grid", "use_audio_in_video",
 }
 # A multimodal prompt's token types mark its image (video, audio) tokens, for attention both ways within an image or
 # over a prefix (Gemma 3 and 4, PaliGemma). The tokens generated after the prompt are text and attend causally: what a
@@ -465,8 +468,8 @@ def _multimodal(model) -> bool:
 
 
 def _with_media(prompt_only_inputs: dict) -> bool:
-    """Whether the prompt has images, video or audio (not just token types)."""
-    return bool(set(prompt_only_inputs) - _PROMPT_TOKEN_TYPES)
+    """Whether the prompt has images, video or audio (not just token types, or a flag as `use_audio_in_video=False`)."""
+    return bool(set(prompt_only_inputs) - _PROMPT_TOKEN_TYPES - {"use_audio_in_video"})
 
 
 def _given(value) -> bool:

@@ -479,6 +479,55 @@ def test_a_prompt_with_an_image_at_3d_positions(family, monkeypatch):
         assert torch.equal(out[0], plain[row, -real - 20 :])
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["video_then_audio", "audio_in_video"])
+def test_an_omni_thinker_prompt_with_video_and_audio(interleaved, monkeypatch):
+    """Qwen2.5-Omni's thinker: a video's timing (`video_second_per_grid`), the audio lengths and `use_audio_in_video`
+    place the prompt's tokens at 3D positions (refused before); later tokens run on from the prompt's last. A video of
+    2 x 4 x 4 patches (8 tokens) and 16 frames of audio (4 tokens), apart or interleaved as the processor lays out a
+    video's own audio. A left-padded batch, drafts of every accepted length, dynamic and static caches."""
+    from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, rope_parameters=rope, pad_token_id=0, bos_token_id=2, eos_token_id=None)
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0], window_size=28)
+    audio = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
+                 max_source_positions=50, n_window=4, output_dim=64)
+    config = Qwen2_5OmniThinkerConfig(
+        text_config=text, vision_config=vision, audio_config=audio, image_token_index=299, video_token_index=298,
+        vision_start_token_id=297, vision_end_token_id=296, audio_token_index=295, audio_start_token_id=293,
+        audio_end_token_id=294, user_token_id=10)
+    target = hf_specdiff.enable(Qwen2_5OmniThinkerForConditionalGeneration(config).double().eval())
+    speculator = hf_specdiff.AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2, seed=1)
+    if interleaved:  # 2 s per frame, 2 s chunks: the first frame's tokens, the audio's, the second frame's
+        media = [[297, 293, *[298] * 4, *[295] * 4, *[298] * 4, 294, 296]] * 2
+    else:
+        video, sound = [297, *[298] * 8, 296], [293, *[295] * 4, 294]
+        media = [[*video, 17, *sound], [*sound, 8, *video]]
+    rows = [[2, 5, *media[0], 40], [2, 7, 6, 5, 9, *media[1], 3, 3, 4]]
+    prompts = torch.tensor([[0] * (len(rows[1]) - len(rows[0])) + rows[0], rows[1]])
+    generator = torch.Generator().manual_seed(0)
+    inputs = dict(input_ids=prompts, attention_mask=(prompts != 0).long(), use_audio_in_video=interleaved,
+                  pixel_values_videos=torch.randn(64, 3 * 2 * 14 * 14, dtype=torch.float64, generator=generator),
+                  video_grid_thw=torch.tensor([[2, 4, 4]] * 2), video_second_per_grid=torch.tensor([2.0, 2.0]),
+                  input_features=torch.randn(2, 16, 16, dtype=torch.float64, generator=generator),
+                  feature_attention_mask=torch.ones(2, 16, dtype=torch.long))
+    if not interleaved:
+        inputs["video_second_per_grid"] = torch.tensor([2.0, 0.5])
+    plain = target.generate(**inputs, do_sample=False, max_new_tokens=20)
+    if not interleaved:  # the timing moves the positions, and so the output
+        timing = {"video_second_per_grid": torch.tensor([0.5, 2.0])}
+        assert not torch.equal(plain, target.generate(**{**inputs, **timing}, do_sample=False, max_new_tokens=20))
+    replay_greedy_drafts(monkeypatch, [row[int(row.nonzero()[0]):] for row in plain])  # left padding off
+    for cache in ("dynamic", "static"):
+        out = target.generate(**inputs, do_sample=False, max_new_tokens=20, assistant_model=speculator,
+                              speculation="xpress", cache_implementation=cache, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, plain), cache
+        assert len(set(out.speculation.accepted_lengths)) >= 3
+
+
 def test_a_gemma4_prompt_with_an_image_and_its_patch_positions():
     """Gemma 4's images come with their patches' positions (`image_position_ids`), which transformers before 5.24
     hands the loop as they are (later ones encode the image first): read with the prompt, not refused."""
