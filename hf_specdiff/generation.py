@@ -333,10 +333,13 @@ def speculative_decoding(
         if first and prefill_chunk_length:  # (counted as one target forward, the prefill)
             # the drafter writes its cache of each chunk from the chunk's hidden states as they come
             write_drafter_cache = functools.partial(drafter.cache_prompt_chunk, prompt_mask=rows.prompt_mask)
-            # (images are refused with a chunked prefill: what else the prompt has is its token types)
+            # (images are refused with a chunked prefill: what else the prompt has is its token types, cut to each
+            # chunk, and flags as `use_audio_in_video=False`, which go with every chunk)
+            token_types = {k: v for k, v in prompt_only_inputs.items() if k in _PROMPT_TOKEN_TYPES}
+            flags = {k: v for k, v in prompt_only_inputs.items() if k not in token_types}
             prompt = {k: v for k, v in inputs.items() if k not in prompt_only_inputs}
             outputs = prefill_in_chunks(model, prompt, positions, attention_mask, prefill_chunk_length, masks_keys,
-                                        chunk_done=write_drafter_cache, token_types=prompt_only_inputs,
+                                        chunk_done=write_drafter_cache, token_types=token_types, **flags,
                                         **forward_kwargs)
         else:
             with contextlib.nullcontext() if first else verify_layout:

@@ -479,12 +479,9 @@ def test_a_prompt_with_an_image_at_3d_positions(family, monkeypatch):
         assert torch.equal(out[0], plain[row, -real - 20 :])
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["video_then_audio", "audio_in_video"])
-def test_an_omni_thinker_prompt_with_video_and_audio(interleaved, monkeypatch):
-    """Qwen2.5-Omni's thinker: a video's timing (`video_second_per_grid`), the audio lengths and `use_audio_in_video`
-    place the prompt's tokens at 3D positions (refused before); later tokens run on from the prompt's last. A video of
-    2 x 4 x 4 patches (8 tokens) and 16 frames of audio (4 tokens), apart or interleaved as the processor lays out a
-    video's own audio. A left-padded batch, drafts of every accepted length, dynamic and static caches."""
+def make_omni_thinker():
+    """Qwen2.5-Omni's thinker: a video of 2 x 4 x 4 patches is 8 tokens between 297 and 296, 16 frames of audio 4
+    tokens between 293 and 294; 3D (M-RoPE) positions."""
     from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
 
     torch.manual_seed(0)
@@ -499,7 +496,16 @@ def test_an_omni_thinker_prompt_with_video_and_audio(interleaved, monkeypatch):
         text_config=text, vision_config=vision, audio_config=audio, image_token_index=299, video_token_index=298,
         vision_start_token_id=297, vision_end_token_id=296, audio_token_index=295, audio_start_token_id=293,
         audio_end_token_id=294, user_token_id=10)
-    target = hf_specdiff.enable(Qwen2_5OmniThinkerForConditionalGeneration(config).double().eval())
+    return hf_specdiff.enable(Qwen2_5OmniThinkerForConditionalGeneration(config).double().eval())
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["video_then_audio", "audio_in_video"])
+def test_an_omni_thinker_prompt_with_video_and_audio(interleaved, monkeypatch):
+    """Qwen2.5-Omni's thinker: a video's timing (`video_second_per_grid`), the audio lengths and `use_audio_in_video`
+    place the prompt's tokens at 3D positions (refused before); later tokens run on from the prompt's last. A video of
+    2 x 4 x 4 patches (8 tokens) and 16 frames of audio (4 tokens), apart or interleaved as the processor lays out a
+    video's own audio. A left-padded batch, drafts of every accepted length, dynamic and static caches."""
+    target = make_omni_thinker()
     speculator = hf_specdiff.AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2, seed=1)
     if interleaved:  # 2 s per frame, 2 s chunks: the first frame's tokens, the audio's, the second frame's
         media = [[297, 293, *[298] * 4, *[295] * 4, *[298] * 4, 294, 296]] * 2
@@ -556,14 +562,19 @@ def test_a_gemma4_prompt_with_an_image_and_its_patch_positions():
     assert torch.equal(out, plain)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_vl", "qwen2_5_omni"])
 def test_a_text_prompt_with_token_types_prefills_in_chunks(family):
     """A vision-language model's processor hands a text prompt its token types too (all text): a chunked prefill reads
-    them up to each chunk's end, as transformers' own (it crashed on them)."""
-    target = make_vision_language_target() if family == "gemma3" else make_mrope_vision_language_target(family)
+    them up to each chunk's end, as transformers' own (it crashed on them). An omni model's `use_audio_in_video=False`
+    goes with every chunk (it crashed as a token type)."""
+    makers = dict(gemma3=make_vision_language_target, qwen2_vl=lambda: make_mrope_vision_language_target(family),
+                  qwen2_5_omni=make_omni_thinker)
+    target = makers[family]()
     speculator = hf_specdiff.AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2, seed=1)
     prompts = torch.tensor([[0, 0, 2, 5, 17, 40, 41, 8, 9, 10, 11], [2, 9, 8, 7, 6, 5, 4, 3, 3, 8, 1]])
-    types = {"token_type_ids" if family == "gemma3" else "mm_token_type_ids": torch.zeros_like(prompts)}
+    types = dict(gemma3={"token_type_ids": torch.zeros_like(prompts)},
+                 qwen2_vl={"mm_token_type_ids": torch.zeros_like(prompts)},
+                 qwen2_5_omni={"use_audio_in_video": False})[family]
     inputs = dict(input_ids=prompts, attention_mask=(prompts != 0).long(), **types)
     plain = target.generate(**inputs, do_sample=False, max_new_tokens=16)
     out = target.generate(**inputs, do_sample=False, max_new_tokens=16, prefill_chunk_size=4,
