@@ -90,12 +90,19 @@ _packs: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _packs_lock = threading.Lock()  # generate calls in several threads share the packs
 
 
+def dense(*tensors: torch.Tensor) -> bool:
+    """Whether the tensors are plain dense ones: a quantized weight (torchao's int8 or int4 tensors, and the like) is a
+    tensor subclass with kernels of its own for `F.linear` only, and no other layout can multiply it."""
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+
+
 def packed_layout_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` can multiply by MKL's packed copy of a weight: a float32 CPU parameter (a weight computed in the
     forward would be packed anew each call), in eager inference, with a PyTorch built with MKL."""
     return (
         not torch.compiler.is_compiling()
         and isinstance(weight, torch.nn.Parameter)
+        and dense(x, weight)
         and x.dtype is weight.dtype is torch.float32
         and x.is_cpu
         and weight.dim() == 2
@@ -144,10 +151,12 @@ class PackedWeights:
 
 
 def transposed_layout_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` computes x @ W^T as (W @ x^T)^T: a float32 CPU weight applied to MIN_ROWS..MAX_ROWS rows."""
+    """Whether `linear` computes x @ W^T as (W @ x^T)^T: a dense float32 CPU weight applied to MIN_ROWS..MAX_ROWS
+    rows."""
     rows = x.numel() // max(x.shape[-1], 1)
     return (
-        x.device.type == "cpu"
+        dense(x, weight)
+        and x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and weight.dim() == 2
         and MIN_ROWS <= rows <= MAX_ROWS

@@ -113,6 +113,29 @@ def test_shipped_speculator_loads_and_is_lossless(smollm):
         assert_greedy_equivalent(plain, spec, inputs["input_ids"].shape[1])
 
 
+def test_a_target_with_int8_weights_speculates_as_plain_generate(smollm):
+    """The embedded target loaded with its Linear weights in int8 (torchao through transformers' `TorchAoConfig`, as a
+    user quantizes a model to fit it): the loop's few-row CPU layouts leave a quantized weight to its own kernels (they
+    crashed: no matrix product for torchao's int8 tensors). The shipped speculator, greedy, every method."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    _, tokenizer, _ = smollm
+    target = hf_specdiff.enable(AutoModelForCausalLM.from_pretrained(
+        hf_specdiff.embedded.default_target_path(), quantization_config=TorchAoConfig(Int8WeightOnlyConfig()),
+        dtype=torch.float32))
+    assert type(target.model.layers[0].mlp.up_proj.weight).__name__ == "Int8Tensor"
+    shipped = AutoSpeculator.from_pretrained(hf_specdiff.default_speculator_path()).to(torch.float32)
+    inputs = chat(tokenizer, questions(1)[0])
+    kwargs = dict(do_sample=False, max_new_tokens=32, return_dict_in_generate=True, output_scores=True)
+    plain = target.generate(**inputs, **kwargs)
+    for method in ("xpress", "dflash", "markov"):
+        spec = target.generate(**inputs, assistant_model=shipped, speculation=method, **kwargs)
+        assert_greedy_equivalent(plain, spec, inputs["input_ids"].shape[1])
+        assert max(spec.speculation.accepted_lengths) > 1
+
+
 def test_text_generation_pipeline_with_a_speculator(smollm):
     """A user's pipeline keeps working: enable its model and pass the speculator to the call. A batch of two chats
     (the pipeline pads them on the left) gives plain greedy's answers; sampling with num_return_sequences gives each
