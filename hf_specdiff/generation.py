@@ -851,6 +851,7 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
                     "native dFlash path)."
                 )
             assistant_model.check_compatible(model, "dflash")  # transformers would fail deep inside, if at all
+            _check_native_dflash_target(model)
             config = _effective_generation_config(model, kwargs)
             if (kwargs.get("num_beams") or config.num_beams or 1) > 1:  # transformers only warns, and decodes greedily
                 raise ValueError("transformers' native dFlash path (speculation_type='dflash') does not do beam "
@@ -865,6 +866,8 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
                     "speculation_type='dflash': add speculation_type='dflash' (transformers' native dFlash path), or "
                     f"pass the whole speculator with speculation= one of {SPECULATION_METHODS}."
                 )
+            if isinstance(assistant_model, DFlashDraftModel):
+                _check_native_dflash_target(model)
         return generate(model, *args, assistant_model=assistant_model, **kwargs)
 
     if speculation not in SPECULATION_METHODS:
@@ -933,6 +936,19 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
         prefill_chunk_length=prefill_chunk_size,
     )
     return generate(model, *args, custom_generate=loop, **kwargs)
+
+
+def _check_native_dflash_target(model) -> None:
+    """transformers' native dFlash path (`DFlashTokenCandidateGenerator`, 5.17 to 5.25) reads the target's position
+    ids from the model inputs, which `generate` makes only for a forward that takes them: on a target whose forward
+    takes none (BLOOM, MPT, RWKV; Mamba, Mamba 2, Falcon-Mamba, which transformers 5.25 no longer refuses as stateful)
+    it fails inside transformers with `KeyError: 'position_ids'`. hf_specdiff's own loop needs no position ids there."""
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise ValueError(
+            f"transformers' native dFlash path (speculation_type='dflash') reads the target's position ids, and "
+            f"{type(model).__name__}'s forward takes none (transformers would fail with KeyError: 'position_ids'). "
+            f"Use hf_specdiff's own loop: assistant_model=speculator, speculation= one of {SPECULATION_METHODS}."
+        )
 
 
 def _taken_from_generate(model, kwargs: dict, generation_config, name: str):

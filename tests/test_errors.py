@@ -217,6 +217,32 @@ def test_beam_search_on_the_native_dflash_path_is_refused(target, speculator):
         target.generate(PROMPT, assistant_model=speculator, speculation_type="dflash", max_new_tokens=4, num_beams=2)
 
 
+@pytest.mark.parametrize("family", ["bloom", "mamba"])
+def test_native_dflash_path_on_a_target_without_position_ids_is_refused(family):
+    """transformers' native dFlash generator reads the target's position ids, which `generate` makes only for a
+    forward that takes them: on BLOOM (every version) and on Mamba (transformers 5.25 stopped refusing stateful
+    targets there) it failed with KeyError: 'position_ids' inside transformers. Our own loop decodes them."""
+    from conftest import make_state_target
+    from transformers import BloomConfig, BloomForCausalLM
+
+    from hf_specdiff import _compat
+
+    if family == "bloom":
+        target = hf_specdiff.enable(make_target(config_class=BloomConfig, model_class=BloomForCausalLM, n_head=4))
+    else:
+        target = make_state_target(family)
+    speculator = make_speculator(target)
+    for assistant in (speculator, speculator.drafter):
+        with pytest.raises(ValueError, match="native dFlash path .* forward takes none.*speculation= one of"):
+            target.generate(PROMPT, assistant_model=assistant, speculation_type="dflash", max_new_tokens=4)
+    if family == "mamba" and not _compat.recurrent_rollback_supported():
+        return  # (our loop refuses recurrent targets before 5.25, with its own message)
+    plain = target.generate(PROMPT, do_sample=False, max_new_tokens=8)
+    ours = target.generate(PROMPT, assistant_model=speculator, speculation="dflash", do_sample=False,
+                           max_new_tokens=8)
+    assert torch.equal(ours, plain)
+
+
 def test_wrong_dtype(target, speculator):
     speculator.to(torch.float32)
     with pytest.raises(ValueError, match="float32 and the target in torch.float64"):
