@@ -33,6 +33,7 @@ import functools
 import inspect
 import time
 import types
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -899,6 +900,7 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
             f"1 to {assistant_model.drafter.config.block_size - 1} drafts (the first slot is the anchor)."
         )
     assistant_model.check_compatible(model, speculation)
+    _warn_of_shape_dependent_quantization(model)
     _check_position_ids(kwargs)
     # before `generate` starts: it heals tokens (token_healing) and builds the cache (an offloaded one already fails
     # on some machines) before it hands over to the loop
@@ -948,6 +950,27 @@ def _check_native_dflash_target(model) -> None:
             f"transformers' native dFlash path (speculation_type='dflash') reads the target's position ids, and "
             f"{type(model).__name__}'s forward takes none (transformers would fail with KeyError: 'position_ids'). "
             f"Use hf_specdiff's own loop: assistant_model=speculator, speculation= one of {SPECULATION_METHODS}."
+        )
+
+
+def _warn_of_shape_dependent_quantization(model) -> None:
+    """Speculation reproduces what the target's forward of several tokens computes. Quantization of the activations
+    (quantized afresh in each forward) and bitsandbytes (another kernel for a single token) make that differ from its
+    forward of one token, which plain decoding runs: the embedded SmolLM2 so quantized, fed its own greedy answer in
+    one forward, picks another token at 2-15% of the positions. Weight-only quantization leaves them equal."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return
+    config = quantizer.quantization_config
+    quant_type = getattr(config, "quant_type", None)  # torchao's: a config object, or its name in older releases
+    quant_type = quant_type if isinstance(quant_type, str) else type(quant_type).__name__
+    if config.quant_method == "bitsandbytes" or "activation" in quant_type.lower():
+        what = "bitsandbytes" if config.quant_method == "bitsandbytes" else quant_type
+        warnings.warn(
+            f"This target is quantized with {what}, whose forward of several tokens computes other logits than its "
+            "forward of one: its greedy output depends on how it is fed, and speculation, which verifies several "
+            "tokens per forward, may leave plain generate's where the two disagree. Quantize the weights alone (e.g. "
+            "torchao's Int8WeightOnlyConfig) for output identical to plain generate's.", stacklevel=3,
         )
 
 

@@ -4,6 +4,7 @@ tokenizer, stop strings. An untrained speculator is enough here: these tests are
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -131,9 +132,34 @@ def test_a_target_with_int8_weights_speculates_as_plain_generate(smollm):
     kwargs = dict(do_sample=False, max_new_tokens=32, return_dict_in_generate=True, output_scores=True)
     plain = target.generate(**inputs, **kwargs)
     for method in ("xpress", "dflash", "markov"):
-        spec = target.generate(**inputs, assistant_model=shipped, speculation=method, **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            spec = target.generate(**inputs, assistant_model=shipped, speculation=method, **kwargs)
+        assert not [w for w in caught if "quantized with" in str(w.message)]  # weights alone: no warning
         assert_greedy_equivalent(plain, spec, inputs["input_ids"].shape[1])
         assert max(spec.speculation.accepted_lengths) > 1
+
+
+def test_a_target_with_quantized_activations_is_warned_of(smollm):
+    """Activations quantized in each forward (torchao's int8 dynamic activation quantization) make the target's forward
+    of several tokens disagree with its forward of one: fed its own greedy answer in one forward, the embedded target so
+    quantized picks other tokens. Speculation says so: its output may leave plain greedy's."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    _, tokenizer, _ = smollm
+    config = TorchAoConfig(Int8DynamicActivationInt8WeightConfig())
+    target = hf_specdiff.enable(AutoModelForCausalLM.from_pretrained(
+        hf_specdiff.embedded.default_target_path(), quantization_config=config, dtype=torch.float32))
+    inputs = chat(tokenizer, questions(1)[0])
+    plain = target.generate(**inputs, do_sample=False, max_new_tokens=48)
+    with torch.no_grad():
+        teacher_forced = target(plain).logits[0, inputs["input_ids"].shape[1] - 1 : -1].argmax(-1)
+    assert not torch.equal(teacher_forced, plain[0, inputs["input_ids"].shape[1] :])  # the warning's reason
+    shipped = AutoSpeculator.from_pretrained(hf_specdiff.default_speculator_path()).to(torch.float32)
+    with pytest.warns(UserWarning, match="quantized with Int8DynamicActivationInt8WeightConfig.*Quantize the weights"):
+        target.generate(**inputs, assistant_model=shipped, speculation="xpress", do_sample=False, max_new_tokens=8)
 
 
 def test_text_generation_pipeline_with_a_speculator(smollm):
