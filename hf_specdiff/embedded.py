@@ -207,13 +207,14 @@ def default_diffusion_lm_path() -> Path:
 
 
 def load_default_target(dtype="float32", device: str | None = None, cache_dir=None):
-    """Return `(model, tokenizer)` for the embedded SmolLM2-135M-Instruct, loaded from the local cache."""
+    """Return `(model, tokenizer)` for the embedded SmolLM2-135M-Instruct, loaded from the local cache. The tokenizer
+    pads on the left, as a batch of prompts to `generate` must be (SmolLM2's own config pads on the right)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = default_target_path(cache_dir)
     _check_readable(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     if device is not None:
         model = model.to(device)
     return model.eval(), tokenizer

@@ -162,6 +162,24 @@ def test_a_target_with_quantized_activations_is_warned_of(smollm):
         target.generate(**inputs, assistant_model=shipped, speculation="xpress", do_sample=False, max_new_tokens=8)
 
 
+def test_a_batch_of_chats_from_the_default_tokenizer(smollm):
+    """README's use, with the embedded target's own tokenizer and a batch of two chats: it pads them on the left, so
+    they speculate (right padding is refused) and each row's answer is the one it gets alone."""
+    target, tokenizer, _ = smollm
+    shipped = AutoSpeculator.from_pretrained(hf_specdiff.default_speculator_path()).to(target.dtype)
+    chats = [[{"role": "user", "content": question}] for question in questions(2)]
+    inputs = tokenizer.apply_chat_template(chats, add_generation_prompt=True, padding=True, return_tensors="pt",
+                                           return_dict=True)
+    assert not inputs["attention_mask"][:, -1].eq(0).any()  # padded on the left
+    out = target.generate(**inputs, assistant_model=shipped, speculation="xpress", do_sample=False, max_new_tokens=16)
+    for row, chat_alone in enumerate(chats):
+        alone = tokenizer.apply_chat_template(chat_alone, add_generation_prompt=True, return_tensors="pt",
+                                              return_dict=True)
+        plain = target.generate(**alone, do_sample=False, max_new_tokens=16)
+        assert tokenizer.decode(out[row, inputs["input_ids"].shape[1]:], skip_special_tokens=True) == \
+            tokenizer.decode(plain[0, alone["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
 def test_text_generation_pipeline_with_a_speculator(smollm):
     """A user's pipeline keeps working: enable its model and pass the speculator to the call. A batch of two chats
     (the pipeline pads them on the left) gives plain greedy's answers; sampling with num_return_sequences gives each
@@ -238,7 +256,6 @@ def test_sliding_window_batch_of_real_chats(smollm, monkeypatch):
     original = hf_specdiff.batching.windowed_masks
     monkeypatch.setattr(hf_specdiff.batching, "windowed_masks", lambda *a: masked.append(1) or original(*a))
 
-    tokenizer.padding_side = "left"
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
              for q in [*questions(2), "Name three colours."]]
     inputs = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
