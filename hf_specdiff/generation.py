@@ -725,6 +725,10 @@ _UNSUPPORTED_MODES = {
     "penalty_alpha": "contrastive search",
     "dola_layers": "DoLa decoding",
     "token_healing": "token healing",
+    # constrained beam search (transformers picks it for either, whatever num_beams; plain `generate` loads it from
+    # the Hub with trust_remote_code=True): the loop would decode without forcing the words
+    "force_words_ids": "constrained beam search",
+    "constraints": "constrained beam search",
 }
 
 

@@ -65,6 +65,11 @@ def generate(target, speculator, **kwargs):
         (dict(synced_gpus=True), "synced_gpus"),
         (dict(penalty_alpha=0.6, top_k=4), "contrastive search; remove `penalty_alpha`"),
         (dict(dola_layers="high"), "DoLa decoding"),
+        # constrained beam search, which transformers picks for these whatever num_beams: the words would not be forced
+        (dict(force_words_ids=[[30]]), "constrained beam search; remove `force_words_ids`"),
+        (dict(generation_config=GenerationConfig(force_words_ids=[[30], [31, 32]], max_new_tokens=5)),
+         "constrained beam search; remove `force_words_ids`"),
+        (dict(constraints=[object()]), "constrained beam search; remove `constraints`"),
         (dict(guidance_scale=1.5), "ClassifierFreeGuidance.*keeps state.*Remove `guidance_scale`"),
         (dict(watermarking_config=SynthIDTextWatermarkingConfig(keys=[3, 5, 7], ngram_len=2)),
          "SynthIDTextWatermarkLogitsProcessor.*keeps state.*Remove `watermarking_config` \\(SynthID\\)"),
