@@ -62,8 +62,8 @@ packs only where the CPU's vendor is GenuineIntel and takes the transposed layou
 generate on that host, eager).
 
 Plain decoding's single row takes BLAS's matrix-vector path either way (`generate` without speculation is left as
-transformers runs it). On CUDA and other devices, for other dtypes, and where gradients are recorded, `linear` is
-`F.linear`.
+transformers runs it). On CUDA and other devices, for other dtypes, for quantized weights (tensor subclasses
+with kernels of their own), and where gradients are recorded, `linear` is `F.linear`.
 """
 
 from __future__ import annotations
