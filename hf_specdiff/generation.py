@@ -968,8 +968,8 @@ def _warn_of_shape_dependent_quantization(model) -> None:
     config = quantizer.quantization_config
     quant_type = getattr(config, "quant_type", None)  # torchao's: a config object, or its name in older releases
     quant_type = quant_type if isinstance(quant_type, str) else type(quant_type).__name__
-    if config.quant_method == "bitsandbytes" or "activation" in quant_type.lower():
-        what = "bitsandbytes" if config.quant_method == "bitsandbytes" else quant_type
+    what = "bitsandbytes" if config.quant_method == "bitsandbytes" else quant_type
+    if what == "bitsandbytes" or "activation" in quant_type.lower():
         warnings.warn(
             f"This target is quantized with {what}, whose forward of several tokens computes other logits than its "
             "forward of one: its greedy output depends on how it is fed, and speculation, which verifies several "
