@@ -240,11 +240,15 @@ def accept_every_draft(target_scores, draft_scores, candidates):
 
 
 def exact_distribution(target, prompt: torch.Tensor, new_tokens: int, temperature: float = 1.0,
-                       top_k: int | None = None) -> dict[tuple, float]:
-    """P(t1..tn | prompt) (prompt: (1, L)) for every continuation of `new_tokens` tokens, through the warpers
-    generate applies (temperature, top-k): an exact reference, not another sample."""
+                       top_k: int | None = None, processors=None) -> dict[tuple, float]:
+    """P(t1..tn | prompt) (prompt: (1, L)) for every continuation of `new_tokens` tokens, through what generate applies:
+    `processors` (a LogitsProcessorList, each seeing the whole prefix), then temperature and top-k. An exact reference,
+    not another sample."""
     def warped_probs(sequences: torch.Tensor) -> torch.Tensor:
-        logits = target(sequences).logits[:, -1].float() / temperature
+        logits = target(sequences).logits[:, -1].float()
+        if processors is not None:
+            logits = processors(sequences, logits)
+        logits = logits / temperature
         if top_k is not None:
             kth = logits.topk(top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))

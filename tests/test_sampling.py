@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor, TopPLogitsWarper
+
 from conftest import accept_every_draft, chi_square_p_value, exact_distribution, make_sampling_pair
 
 import hf_specdiff
@@ -54,6 +56,25 @@ def test_speculative_sampling_matches_target_distribution(setup, method, tempera
     assert lowest < acceptance < 0.95, f"the test should exercise both acceptance and rejection, got {acceptance:.2f}"
     p_value = chi_square_p_value(counts, exact_distribution(target, PROMPT, NEW_TOKENS, temperature, top_k), DRAWS)
     assert p_value > 1e-3, f"{method}: speculative samples do not follow the target (p={p_value:.2e})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method,options,processor",
+    [("xpress", {"no_repeat_ngram_size": 2}, NoRepeatNGramLogitsProcessor(2)),
+     ("dflash", {"top_p": 0.8}, TopPLogitsWarper(0.8))],
+)
+def test_speculative_sampling_with_logits_processors_matches_target_distribution(setup, method, options, processor):
+    """A processor that reads the history scores each draft position with the drafts before it: banning a repeated
+    bigram at the third draft depends on the first two. Scoring every position with the prefix before the block
+    instead is caught here (p < 1e-30, measured), not by the temperature cases above."""
+    target, speculator = setup
+    torch.manual_seed(0)
+    counts, acceptance = draw(target, speculator, method, 1.0, None, **options)
+    assert 0.1 < acceptance < 0.95, f"the test should exercise both acceptance and rejection, got {acceptance:.2f}"
+    expected = exact_distribution(target, PROMPT, NEW_TOKENS, processors=LogitsProcessorList([processor]))
+    p_value = chi_square_p_value(counts, expected, DRAWS)
+    assert p_value > 1e-3, f"{method} with {options}: speculative samples do not follow the target (p={p_value:.2e})"
 
 
 @pytest.mark.slow
