@@ -114,13 +114,15 @@ def spread_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
 
 def full_attention_rope_parameters(text_config) -> dict:
     """The target's RoPE settings for the drafter, whose attention is full. Targets that mix sliding and full layers
-    (Gemma 3) keep one set per layer type; the drafter takes the full-attention set, the one its long contexts need,
-    else the one set there is (targets whose full-attention layers use no RoPE list None for them)."""
+    keep one set per layer type; the drafter takes the set of the layers that attend to the whole context, the one its
+    long contexts need (Gemma 3's "full_attention"; Zaya's "hybrid", beside "hybrid_sliding"), else the one set there
+    is (targets whose full-attention layers use no RoPE list None for them)."""
     rope = dict(getattr(text_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
     if "rope_type" not in rope:
         per_type = {kind: value for kind, value in rope.items() if isinstance(value, dict)}
-        if "full_attention" in per_type or len(per_type) == 1:
-            rope = dict(per_type.get("full_attention") or next(iter(per_type.values())))
+        full = [per_type[kind] for kind in ("full_attention", "hybrid") if kind in per_type]
+        if full or len(per_type) == 1:
+            rope = dict(full[0] if full else next(iter(per_type.values())))
     if "rope_type" not in rope:
         raise ValueError(
             f"The target's rope_parameters {rope} name no `rope_type` (and no `full_attention` set, or more than one "

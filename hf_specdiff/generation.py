@@ -752,6 +752,13 @@ def _check_decoding_mode(generation_config) -> None:
 _SLIDING_LAYER_TYPES = {"sliding_attention", "hybrid_sliding"}
 _WINDOWED_LAYER_TYPES = _SLIDING_LAYER_TYPES | {"chunked_attention"}  # each row's window or chunk masked per row
 _STATIC_WINDOWED_LAYER_TYPES = {"sliding_attention", "chunked_attention"}  # full-length static layers, masks by slot
+# Targets whose recurrent state no roll-back of the cache reaches (the modeling files of transformers 5.25 that update a
+# recurrent state without `record_past`, and RecurrentGemma). hf_specdiff's loop finds them out after the prompt.
+_UNROLLABLE_STATE_MODEL_TYPES = {
+    "recurrent_gemma": "keeps its recurrent state on the model, outside the cache",
+    **dict.fromkeys(("zamba", "zaya"), "gives its cache the recurrent state after a forward's last token only, none "
+                    "for the tokens before it"),
+}
 # Targets whose attention reads the distance between a query and a key off their cache slots rather than their position
 # ids (Inkling's relative-position logits, 5.17 to 5.25): a batch's cache must never hold holes between a row's tokens.
 _SLOT_DISTANCE_MODEL_TYPES = {"inkling_text", "inkling2_text", "inkling2_loop_text"}
@@ -945,15 +952,25 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
 
 
 def _check_native_dflash_target(model) -> None:
-    """transformers' native dFlash path (`DFlashTokenCandidateGenerator`, 5.17 to 5.25) reads the target's position
-    ids from the model inputs, which `generate` makes only for a forward that takes them: on a target whose forward
-    takes none (BLOOM, MPT, RWKV; Mamba, Mamba 2, Falcon-Mamba, which transformers 5.25 no longer refuses as stateful)
-    it fails inside transformers with `KeyError: 'position_ids'`. hf_specdiff's own loop needs no position ids there."""
+    """Refuse the targets on which transformers' native dFlash path (`DFlashTokenCandidateGenerator`, 5.17 to 5.25)
+    fails inside transformers. It reads the target's position ids from the model inputs, which `generate` makes only
+    for a forward that takes them: a target whose forward takes none (BLOOM, MPT, RWKV; Mamba, Mamba 2, Falcon-Mamba,
+    which transformers 5.25 no longer refuses as stateful) fails with `KeyError: 'position_ids'`; hf_specdiff's own
+    loop needs none. And under 5.25 it rolls back recurrent states that RecurrentGemma, Zamba and Zaya do not keep in
+    the cache per token (AttributeError, IndexError)."""
     if "position_ids" not in inspect.signature(model.forward).parameters:
         raise ValueError(
             f"transformers' native dFlash path (speculation_type='dflash') reads the target's position ids, and "
             f"{type(model).__name__}'s forward takes none (transformers would fail with KeyError: 'position_ids'). "
             f"Use hf_specdiff's own loop: assistant_model=speculator, speculation= one of {SPECULATION_METHODS}."
+        )
+    # transformers 5.25 no longer refuses stateful targets there, and fails inside its loop on these (earlier versions
+    # refuse them); hf_specdiff's own loop refuses them too.
+    if reason := _UNROLLABLE_STATE_MODEL_TYPES.get(model.config.get_text_config().model_type):
+        raise ValueError(
+            f"transformers' native dFlash path (speculation_type='dflash') rolls the target's cache back past rejected "
+            f"drafts, and {type(model).__name__} {reason}: that path would fail inside transformers. Generate without "
+            "the speculator."
         )
 
 

@@ -248,6 +248,42 @@ def test_native_dflash_path_on_a_target_without_position_ids_is_refused(family):
     assert torch.equal(ours, plain)
 
 
+UNROLLABLE_STATE_FAMILIES = {  # a recurrent state that no roll-back of the cache reaches
+    "recurrent_gemma": ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", dict(
+        block_types=["recurrent", "attention"], lru_width=64, attention_window_size=16, num_layers=2)),
+    "zamba": ("ZambaConfig", "ZambaForCausalLM", dict(
+        num_layers=4, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, n_mamba_heads=1)),
+    # Zaya keeps one RoPE set per layer type, "hybrid" and "hybrid_sliding": the drafter takes the unwindowed one's
+    "zaya": ("ZayaConfig", "ZayaForCausalLM", dict(
+        layer_types=["hybrid", "hybrid_sliding", "hybrid"], sliding_window=4, num_layers=3, head_dim=16,
+        moe_intermediate_size=32, num_experts=2, router_hidden_size=16, experts_implementation="eager")),
+}
+
+
+@pytest.mark.parametrize("family", sorted(UNROLLABLE_STATE_FAMILIES))
+def test_native_dflash_path_on_a_target_whose_state_cannot_roll_back_is_refused(family):
+    """transformers 5.25's native dFlash path no longer refuses stateful targets, and failed inside transformers on
+    these (RecurrentGemma: AttributeError, its forward returns no cache; Zamba and Zaya: IndexError, their cache holds
+    no state per token to roll back to). Refused before `generate` starts, on every version; our own loop refuses them
+    after the prompt."""
+    import transformers
+
+    config_name, model_name, fields = UNROLLABLE_STATE_FAMILIES[family]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    target = hf_specdiff.enable(make_target(
+        initializer_range=0.2, config_class=getattr(transformers, config_name),
+        model_class=getattr(transformers, model_name), **fields))
+    speculator = make_speculator(target)
+    if family == "zaya":
+        assert speculator.drafter.config.rope_parameters == target.config.rope_parameters["hybrid"]
+    for assistant in (speculator, speculator.drafter):
+        with pytest.raises(ValueError, match=r"native dFlash path .* rolls .* back.*Generate without the speculator"):
+            target.generate(PROMPT, assistant_model=assistant, speculation_type="dflash", max_new_tokens=4)
+    with pytest.raises(ValueError, match="keeps nothing there|per-token history|rolls back from version 5.25 on"):
+        target.generate(PROMPT, assistant_model=speculator, speculation="dflash", max_new_tokens=8)
+
+
 def test_wrong_dtype(target, speculator):
     speculator.to(torch.float32)
     with pytest.raises(ValueError, match="float32 and the target in torch.float64"):
