@@ -51,6 +51,8 @@ from transformers.generation.logits_process import (
     UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+from transformers.distributed.fsdp import is_fsdp_managed_module
 
 from . import _compat
 from ._cpu_linear import few_row_linears
@@ -281,7 +283,18 @@ def speculative_decoding(
     # the target's hidden states the drafter reads, and only those where transformers can select them
     hidden_states_request = speculator.drafter.target_hidden_states_request()
     outputs, first = None, True
+    # Processes in lockstep (`synced_gpus`: the target sharded with FSDP, whose every forward gathers each layer's
+    # shards from all processes) run the same number of target forwards: each step, every process says whether it
+    # still decodes, and one that is done takes part in the others' forwards with a forward of its own.
+    lockstep = synced_gpus and _in_a_process_group()
+    if lockstep and prefill_chunk_length:
+        raise ValueError(
+            "speculation=... in lockstep across processes (synced_gpus) would prefill each process's prompt in its own "
+            "number of chunks, each a forward all processes must take part in: remove prefill_chunk_size."
+        )
     while True:
+        if lockstep:
+            _any_process_decoding(True, input_ids.device)
         # 1. Draft and resolve a block per row (nothing on the first pass: the target has not run yet).
         candidate_ids, draft_scores = drafter.get_candidates(
             rows.tokens, model_outputs=outputs, is_first_iteration=first, rows=rows
@@ -399,6 +412,9 @@ def speculative_decoding(
         outputs = rows.roll_back(cache, drafter, outputs, num_fed, None if first else emitted)
         first = False
 
+    if lockstep:
+        while _any_process_decoding(False, input_ids.device):
+            model(input_ids=input_ids.new_zeros(1, 1), use_cache=False)
     if streamer is not None:
         streamer.end()
     if input_ids.shape[0] == 1:  # the cache handed back holds every token but the last, as plain `generate`'s does
@@ -430,6 +446,18 @@ def _as_criteria_stop(generation_config, stopping_criteria):
 
 
 # transformers' logits processors that keep state across calls, and the option that builds each
+def _in_a_process_group() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
+
+
+def _any_process_decoding(decoding: bool, device) -> bool:
+    """Whether any process in lockstep still decodes, this one saying whether it does (one all-reduce)."""
+    flag = torch.tensor(float(decoding), device=device)
+    torch.distributed.all_reduce(flag)
+    return bool(flag.item())
+
+
 _STATEFUL_PROCESSORS = {
     SynthIDTextWatermarkLogitsProcessor: "`watermarking_config` (SynthID)",
     UnbatchedClassifierFreeGuidanceLogitsProcessor: "`guidance_scale`",
@@ -892,8 +920,21 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
         )
     if kwargs.get("speculation_type") is not None:
         raise ValueError("Pass either `speculation` (hf_specdiff) or `speculation_type` (transformers), not both.")
-    if kwargs.get("synced_gpus"):
-        raise ValueError("speculation=... does not support synced_gpus (FSDP / ZeRO-3 generation); set it to False.")
+    if is_deepspeed_zero3_enabled():
+        raise ValueError(
+            "speculation=... drafts with the target's token embeddings and lm_head outside its forward, where "
+            "DeepSpeed ZeRO-3 keeps them partitioned: generate without speculation, or shard the target with FSDP "
+            "instead (its processes then decode in lockstep), or load it whole."
+        )
+    # transformers decides synced_gpus (FSDP across processes) but does not hand it to a custom decoding loop
+    synced_gpus = kwargs.pop("synced_gpus", None)
+    if synced_gpus is None:
+        synced_gpus = is_fsdp_managed_module(model) and _in_a_process_group()
+    elif synced_gpus and not _in_a_process_group():
+        raise ValueError(
+            "synced_gpus=True keeps processes in step, and torch.distributed has no group of processes here: call "
+            "torch.distributed.init_process_group() first (as FSDP does), or drop synced_gpus."
+        )
     if kwargs.get("custom_generate") is not None:
         raise ValueError("`speculation` already supplies the decoding loop; remove `custom_generate`.")
     if kwargs.get("assistant_tokenizer") is not None:
@@ -943,6 +984,7 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
         speculator=assistant_model,
         method=speculation,
         streamer=kwargs.pop("streamer", None),
+        synced_gpus=synced_gpus,
         num_jacobi_passes=num_jacobi_passes,
         num_draft_tokens=num_draft_tokens,
         # (a name of its own: `generate` hands the loop the cleared prefill_chunk_size=None among the model inputs)

@@ -62,7 +62,7 @@ def generate(target, speculator, **kwargs):
         (dict(generation_config=GenerationConfig(num_assistant_tokens_schedule="heuristic")),
          "remove `num_assistant_tokens_schedule`"),
         (dict(assistant_tokenizer=object()), "own vocabulary; remove `assistant_tokenizer`"),
-        (dict(synced_gpus=True), "synced_gpus"),
+        (dict(synced_gpus=True), "synced_gpus=True keeps processes in step.*init_process_group"),
         (dict(penalty_alpha=0.6, top_k=4), "contrastive search; remove `penalty_alpha`"),
         (dict(dola_layers="high"), "DoLa decoding"),
         # constrained beam search, which transformers picks for these whatever num_beams: the words would not be forced

@@ -1,0 +1,71 @@
+"""A target sharded across processes: with FSDP every forward gathers each layer's shards from all processes, so the
+processes must run the same number of target forwards though each accepts its own drafts and finishes at its own step
+(transformers' `synced_gpus`, which it turns on itself for an FSDP model). Real processes (gloo, on the CPU)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_speculator, make_target
+
+import hf_specdiff
+import hf_specdiff.generation
+
+FSDP_SCRIPT = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from conftest import make_speculator, make_target
+import hf_specdiff
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+target = make_target(initializer_range=0.2, dtype=torch.float32)
+speculator = make_speculator(target)
+for layer in target.model.layers:
+    fully_shard(layer)
+fully_shard(target)
+hf_specdiff.enable(target)
+# each process its own prompts and budget: they accept differently and finish at different steps
+single = torch.tensor([[4, 9, 1, 33, 7] * (1 + 2 * rank)])
+batch = torch.tensor([[0, 0, 5, 2, 8], [3, 1, 4, 1, 5]]) + rank
+mask = (batch != 0).long() if rank == 0 else torch.ones_like(batch)
+for method, prompt, kwargs in [("xpress", single, {{}}), ("dflash", batch, dict(attention_mask=mask)),
+                               ("markov", single, dict(do_sample=True))]:
+    sampled = kwargs.pop("do_sample", False)
+    budget = dict(max_new_tokens=6 + 14 * rank, **kwargs)
+    plain = target.generate(prompt, do_sample=False, **budget)
+    ours = target.generate(prompt, assistant_model=speculator, speculation=method, do_sample=sampled, **budget)
+    same = ours.shape == plain.shape if sampled else torch.equal(ours, plain)
+    print(f"rank {{rank}} {{method}}: {{'same' if same else 'DIFFERENT'}}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_processes_of_an_fsdp_target_decode_in_lockstep(tmp_path):
+    """Each process gets plain greedy's output (FSDP's own), single prompts and a ragged batch; sampled runs end too.
+    Without the lockstep the process finishing first left, and the other failed in its next forward ("Connection
+    closed by peer") or waited for it for ever."""
+    script = tmp_path / "fsdp.py"
+    script.write_text(FSDP_SCRIPT.format(tests=str(Path(__file__).parent)))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = sorted(re.findall(r"rank \d \w+: (?:same|DIFFERENT)", done.stdout))  # lines may interleave
+    assert results == [f"rank {rank} {method}: same" for rank in (0, 1) for method in ("dflash", "markov", "xpress")]
+
+
+def test_deepspeed_zero3_is_refused(monkeypatch):
+    """ZeRO-3 keeps the embeddings and lm_head the drafter reads partitioned outside the target's forward."""
+    target = hf_specdiff.enable(make_target())
+    speculator = make_speculator(target)
+    monkeypatch.setattr(hf_specdiff.generation, "is_deepspeed_zero3_enabled", lambda: True)
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO-3 keeps them partitioned.*FSDP"):
+        target.generate(torch.tensor([[4, 9, 1]]), assistant_model=speculator, speculation="xpress", max_new_tokens=4)
