@@ -10,11 +10,14 @@ q is the true draft distribution; the refiner only ever touches draft logits, ne
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import time
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import (
@@ -307,8 +310,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         self.markov_head = speculator.markov_head
         self.method = method
         self.num_jacobi_passes = num_jacobi_passes or (self.refiner.config.num_jacobi_passes if self.refiner else 0)
-        self.embed_tokens = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
+        self.embed_tokens = whole(target.get_input_embeddings())
+        self.lm_head = whole(target.get_output_embeddings())
         # Read-outs of the drafts: the target's lm_head and the add-on's w2, or their rows for the speculator's draft
         # vocabulary (`draft_vocab.py`), copied once per call: then a block is drafted over the vocabulary's columns,
         # and q is widened to the whole vocabulary when it is handed to verification.
@@ -515,6 +518,24 @@ def per_row_positions(context_mask: torch.Tensor, num_new: int, block_size: int)
     seen = context_mask.cumsum(dim=1)
     block = seen[:, -1:] + torch.arange(block_size, device=context_mask.device)
     return (seen[:, context_mask.shape[1] - num_new :] - 1).clamp(min=0), block
+
+
+def whole(module: nn.Module) -> nn.Module:
+    """The target's token embeddings or lm_head as the drafter reads them, outside the target's forward. Sharded across
+    processes (tensor parallelism; FSDP, until its first forward gathers them), their weights are DTensors that plain
+    tensors cannot meet: a copy of the module holding its whole weights, gathered from every process (each calls this
+    at the same point of the same `generate`), without the hooks that shard its inputs and outputs."""
+    if not any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+        return module
+    copied = copy.copy(module)
+    copied._parameters = {
+        name: nn.Parameter(p.full_tensor(), requires_grad=False) if isinstance(p, DTensor) else p
+        for name, p in module._parameters.items()
+    }
+    for hooks in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                  "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+        setattr(copied, hooks, type(getattr(module, hooks))())
+    return copied
 
 
 def draft_block(drafter, embed_tokens, lm_head, block_ids, features, positions, attention_mask, cache, num_drafts):
