@@ -122,6 +122,15 @@ def hidden_states_request(indices: list[int]) -> bool | list[int]:
     return sorted(set(indices))
 
 
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a DTensor: a weight sharded across processes (tensor parallelism, FSDP)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 def recurrent_rollback_supported() -> bool:
     """Whether this transformers' cache can roll back a recurrent state (5.25: `recurrent_states_to_keep`)."""
     from transformers.cache_utils import LinearAttentionCacheLayerMixin

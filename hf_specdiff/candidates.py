@@ -10,14 +10,12 @@ q is the true draft distribution; the refiner only ever touches draft logits, ne
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import (
@@ -522,14 +520,20 @@ def per_row_positions(context_mask: torch.Tensor, num_new: int, block_size: int)
 
 def whole(module: nn.Module) -> nn.Module:
     """The target's token embeddings or lm_head as the drafter reads them, outside the target's forward. Sharded across
-    processes (tensor parallelism; FSDP, until its first forward gathers them), their weights are DTensors that plain
+    processes (tensor parallelism; FSDP, outside the forward that gathers them), their weights are DTensors that plain
     tensors cannot meet: a copy of the module holding its whole weights, gathered from every process (each calls this
-    at the same point of the same `generate`), without the hooks that shard its inputs and outputs."""
-    if not any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+    at the same point of the same `generate`), of its own class (not FSDP's subclass of it) and without the hooks
+    that shard its inputs and outputs or gather its weights."""
+    if not any(_compat.is_sharded(p) for p in module.parameters(recurse=False)):
         return module
-    copied = copy.copy(module)
+    from torch.distributed import fsdp
+
+    fsdp_module = getattr(fsdp, "FSDPModule", ())  # (torch 2.6 on)
+    cls = next(c for c in type(module).__mro__ if not issubclass(c, fsdp_module))
+    copied = cls.__new__(cls)
+    copied.__dict__.update(module.__dict__)
     copied._parameters = {
-        name: nn.Parameter(p.full_tensor(), requires_grad=False) if isinstance(p, DTensor) else p
+        name: nn.Parameter(p.full_tensor(), requires_grad=False) if _compat.is_sharded(p) else p
         for name, p in module._parameters.items()
     }
     for hooks in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",

@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, Qwen3Config
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -38,7 +37,7 @@ def embedding_sample(target) -> list[float]:
     """32 entries of `target`'s input embedding table (8 rows x 4 columns spread over it, float32): a fingerprint of
     the target a drafter is trained with."""
     weight = target.get_input_embeddings().weight.detach()
-    if isinstance(weight, DTensor):  # sharded across processes (each process checks the same speculator in turn)
+    if _compat.is_sharded(weight):  # across processes (each process checks the same speculator in turn)
         weight = weight.full_tensor()
     rows = torch.linspace(0, weight.shape[0] - 1, 8).long().to(weight.device)
     columns = torch.linspace(0, weight.shape[1] - 1, 4).long().to(weight.device)

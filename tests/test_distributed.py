@@ -28,8 +28,10 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 target = make_target(initializer_range=0.2, dtype=torch.float32)
 speculator = make_speculator(target)
-for layer in target.model.layers:
-    fully_shard(layer)
+# the lm_head sharded on its own (FSDP's subclass of it, resharded after every forward), the embeddings with the root
+# (sharded until the first forward gathers them, and kept gathered)
+for module in [*target.model.layers, target.lm_head]:
+    fully_shard(module)
 fully_shard(target)
 hf_specdiff.enable(target)
 # each process its own prompts and budget: they accept differently and finish at different steps
