@@ -76,8 +76,9 @@ dist.destroy_process_group()
 
 
 def run_two_processes(script) -> list[str]:
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return sorted(re.findall(r"rank \d \w+: (?:same|DIFFERENT)", done.stdout))  # (their lines may interleave)
 
