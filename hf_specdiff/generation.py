@@ -51,8 +51,8 @@ from transformers.generation.logits_process import (
     UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
-from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.distributed.fsdp import is_fsdp_managed_module
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from . import _compat
 from ._cpu_linear import few_row_linears
@@ -445,7 +445,6 @@ def _as_criteria_stop(generation_config, stopping_criteria):
     return generation_config
 
 
-# transformers' logits processors that keep state across calls, and the option that builds each
 def _in_a_process_group() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized() \
         and torch.distributed.get_world_size() > 1
@@ -458,6 +457,7 @@ def _any_process_decoding(decoding: bool, device) -> bool:
     return bool(flag.item())
 
 
+# transformers' logits processors that keep state across calls, and the option that builds each
 _STATEFUL_PROCESSORS = {
     SynthIDTextWatermarkLogitsProcessor: "`watermarking_config` (SynthID)",
     UnbatchedClassifierFreeGuidanceLogitsProcessor: "`guidance_scale`",
