@@ -127,8 +127,9 @@ def full_attention_rope_parameters(text_config) -> dict:
             rope = dict(full[0] if full else next(iter(per_type.values())))
     if "rope_type" not in rope:
         raise ValueError(
-            f"The target's rope_parameters {rope} name no `rope_type` (and no `full_attention` set, or more than one "
-            "other): pass a target whose config follows transformers' RoPE layout, or build the DFlashConfig yourself."
+            f"The target's rope_parameters {rope} name no `rope_type` (and no `full_attention` or `hybrid` set, or "
+            "more than one other): pass a target whose config follows transformers' RoPE layout, or build the "
+            "DFlashConfig yourself."
         )
     return rope
 
