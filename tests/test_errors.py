@@ -253,7 +253,7 @@ UNROLLABLE_STATE_FAMILIES = {  # a recurrent state that no roll-back of the cach
         block_types=["recurrent", "attention"], lru_width=64, attention_window_size=16, num_layers=2)),
     "zamba": ("ZambaConfig", "ZambaForCausalLM", dict(
         num_layers=4, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, n_mamba_heads=1)),
-    # Zaya keeps one RoPE set per layer type, "hybrid" and "hybrid_sliding": the drafter takes the unwindowed one's
+    # Zaya keeps one RoPE set per layer type, "hybrid" and "hybrid_sliding": the drafter takes the "hybrid" set
     "zaya": ("ZayaConfig", "ZayaForCausalLM", dict(
         layer_types=["hybrid", "hybrid_sliding", "hybrid"], sliding_window=4, num_layers=3, head_dim=16,
         moe_intermediate_size=32, num_experts=2, router_hidden_size=16, experts_implementation="eager")),
