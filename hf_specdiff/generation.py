@@ -877,6 +877,16 @@ def _check_position_ids(kwargs: dict) -> None:
 
 
 def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None, num_draft_tokens=None, **kwargs):
+    """transformers' `generate`, which `hf_specdiff.enable` extends with speculative decoding.
+
+    With `assistant_model=` an hf_specdiff speculator and `speculation=` one of "xpress" (the dFlash drafter plus the
+    xPress refiner), "dflash" (the drafter alone) or "markov" (the sequential Markov-head baseline), each step drafts a
+    block from the target's hidden states and one target forward verifies it. The output is the target's own: its
+    greedy output, or under sampling its distribution. `num_jacobi_passes=` overrides the speculator's refinement
+    passes (xpress only); `num_draft_tokens=k` verifies only the first k drafts of each block. Every other argument
+    is `generate`'s own (see `transformers.GenerationMixin.generate`). Without `speculation=` the call goes to that
+    method (an hf_specdiff speculator there needs `speculation_type="dflash"`, transformers' native dFlash path).
+    """
     from .speculator import Speculator
 
     generate = type(model).generate
@@ -1078,7 +1088,7 @@ def enable(model):
     if _is_diffusion_lm(model):
         from .diffusion.decoding import diffusion_lm_generate
 
-        model.generate = types.MethodType(diffusion_lm_generate, model)
+        model.generate = _EnabledGenerate(diffusion_lm_generate, model)
         return model
     if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
         # a PEFT wrapper's generate calls its base model's, so enabling that one serves the wrapper too
@@ -1098,8 +1108,30 @@ def enable(model):
                          "this model is encoder-decoder.")
     if model.get_output_embeddings() is None:
         raise ValueError(f"{type(model).__name__} has no language-model head; load it with AutoModelForCausalLM.")
-    model.generate = types.MethodType(_speculative_generate, model)
+    model.generate = _EnabledGenerate(_speculative_generate, model)
     return model
+
+
+class _EnabledGenerate:
+    """What `enable` sets as the model's `generate`: `function` bound to `model`, as a bound method is, but one that
+    pickles. A bound method pickles as a lookup of its function's name on the model, which finds nothing here (the
+    function is not the class's), so an enabled model saved with `torch.save`, or sent to another process, would be
+    written but could not be loaded back. Copies (`copy.deepcopy`, unpickling) are bound to the copied model."""
+
+    def __init__(self, function, model):
+        self.__func__ = function
+        self.__self__ = model
+        self.__name__, self.__qualname__, self.__doc__ = function.__name__, function.__qualname__, function.__doc__
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self):  # what `inspect.signature(model.generate)` answers for a bound method
+        return inspect.signature(types.MethodType(self.__func__, self.__self__))
+
+    def __repr__(self):
+        return f"<hf_specdiff generate of {type(self.__self__).__name__}>"
 
 
 def _is_diffusion_lm(model) -> bool:

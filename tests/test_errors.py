@@ -561,6 +561,30 @@ def test_enable_is_per_model_and_reversible():
         enabled.generate(PROMPT, assistant_model=make_speculator(enabled), speculation="xpress", max_new_tokens=5)
 
 
+def test_an_enabled_model_survives_pickling_and_copies_stay_enabled(target, speculator):
+    """torch.save of a whole model, multiprocessing and deepcopy pickle or copy its `generate` with it; a copy is
+    enabled and its generate runs the copy (before: the file was written, then loading it failed)."""
+    import copy
+    import inspect
+    import io
+
+    hf_specdiff.enable(target)
+    plain = target.generate(PROMPT, do_sample=False, max_new_tokens=12)
+    buffer = io.BytesIO()
+    torch.save(target, buffer)
+    buffer.seek(0)
+    for twin in (torch.load(buffer, weights_only=False), copy.deepcopy(target)):
+        assert hf_specdiff.is_enabled(twin) and twin.generate.__self__ is twin
+        assert torch.equal(twin.generate(PROMPT, assistant_model=speculator, speculation="xpress", max_new_tokens=12),
+                           plain)
+        with torch.no_grad():
+            twin.lm_head.weight.zero_()  # a generate bound to the original would not see this
+        assert not torch.equal(twin.generate(PROMPT, do_sample=False, max_new_tokens=12), plain)
+    # what users read off a bound method: the parameters a call takes (no `self`), the name and docstring
+    assert list(inspect.signature(target.generate).parameters)[:2] == ["args", "speculation"]
+    assert target.generate.__doc__ and target.generate.__name__ == "_speculative_generate"
+
+
 def test_speculation_state_is_not_parked_on_the_model(target, speculator):
     before = set(vars(target)) | {k for k in vars(target.config)}
     target.generate(PROMPT, assistant_model=speculator, speculation="xpress", max_new_tokens=12)

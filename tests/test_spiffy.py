@@ -4,6 +4,7 @@ forwards, batched equals row by row, reference behaviour, graph artifacts and er
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 import torch
@@ -268,6 +269,8 @@ def test_generate_integration_and_errors(tmp_path):
     out = model.generate(prompt, speculation="spiffy", draft_graph=str(tmp_path), return_dict_in_generate=True,
                          **options)
     assert torch.equal(out.sequences, plain) and out.nfe < 16
+    unpickled = pickle.loads(pickle.dumps(model))  # torch.save of the whole model, multiprocessing
+    assert hf_specdiff.is_enabled(unpickled) and torch.equal(unpickled.generate(prompt, **options), plain)
     with pytest.raises(TypeError, match="unsupported arguments \\['num_beams'\\]"):
         model.generate(prompt, num_beams=2, **options)
     with pytest.raises(ValueError, match="needs draft_graph"):
