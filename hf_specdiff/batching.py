@@ -119,7 +119,7 @@ class RowBatch:
     def __init__(self, input_ids: torch.LongTensor, attention_mask, generation_config, pad_after_stop: bool,
                  attention_windows: dict[str, int | AttentionChunks | None | bool] | None = None,
                  mask_dtype: torch.dtype = torch.float32, compact_every_step: bool = False,
-                 keep_finished_rows: bool = False, prompt_slots: int | None = None):
+                 keep_finished_rows: bool = False, prompt_slots: int | None = None, cached_prompt: int = 0):
         batch, width = input_ids.shape
         # {mask key: its window or chunks, None for full attention, False for none} when the target has windowed layers
         self.attention_windows, self.mask_dtype = attention_windows, mask_dtype
@@ -130,6 +130,7 @@ class RowBatch:
         # cache slots of the prompt, which `attention_mask` covers: a prompt given as `inputs_embeds` has them without
         # their tokens (`input_ids` then holds none of them), else one per prompt token
         self.prompt_slots = width if prompt_slots is None else prompt_slots
+        self.cached_prompt = cached_prompt  # prompt slots a cache passed in pre-filled already holds: not fed again
         self.max_new_tokens = generation_config.max_length - width
         self.pad_after_stop = pad_after_stop
         pad = generation_config._pad_token_tensor
@@ -155,14 +156,15 @@ class RowBatch:
 
     def verify_inputs(self, candidates: torch.LongTensor, first: bool):
         """(input_ids, position_ids, attention_mask) of the verify forward: the padded prompts on the first pass
-        (their tokens, which a prompt given as `inputs_embeds` need not have), then each row's [anchor, candidates]
-        (b, n+1)."""
+        (their tokens, which a prompt given as `inputs_embeds` need not have; those past `cached_prompt`, the mask over
+        them all), then each row's [anchor, candidates] (b, n+1)."""
         device = self.tokens.device
         if first:
+            fed = self.tokens[:, self.cached_prompt :]
             if self.prompt_mask is None:
-                return self.tokens, torch.arange(self.prompt_slots, device=device)[None], None
+                return fed, torch.arange(self.cached_prompt, self.prompt_slots, device=device)[None], None
             positions = (self.prompt_mask.long().cumsum(-1) - 1).masked_fill(self.prompt_mask == 0, 0)
-            return self.tokens, positions, self.prompt_mask
+            return fed, positions[:, self.cached_prompt :], self.prompt_mask
         fed = torch.cat([last_tokens(self.tokens, self.lengths, 1), candidates], dim=1)
         steps = torch.arange(fed.shape[1], device=device)
         if self.cache_mask is None:  # no holes: every row has `slots` tokens

@@ -302,6 +302,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         compile_config=None,
         num_draft_tokens: int | None = None,
         batch_size: int = 1,
+        unseen_prefix: int = 0,
+        context_cache: DynamicCache | None = None,
     ):
         self.drafter = speculator.drafter
         self.refiner = speculator.refiner
@@ -336,10 +338,17 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
             self.cache = _compat.reused_static_cache(self.drafter, self.drafter.config, self.cache_slots, batch_size)
             self.slot_index = torch.arange(self.cache_slots, device=self.device)
         else:
-            self.cache = DynamicCache()
+            self.cache = DynamicCache() if context_cache is None else context_cache
         # context slots in the static drafter cache, kept on the host (no sync to read it); the caller sets it when it
         # compacts the cache
         self.cached_context = 0
+        # Target cache slots before the first new one that the drafter has no features of (a single prompt's prefix
+        # that a cache passed in pre-filled held, past what `context_cache`, the drafter's context of the call that
+        # handed that cache back, covers): its dynamic cache holds the others, each key at its token's position. It
+        # drafts from what it has, which costs acceptance, never exactness (the target verifies with the whole cache).
+        if (unseen_prefix or context_cache is not None) and self.static:
+            raise ValueError("A static drafter cache mirrors the target's from its first slot: no unseen prefix.")
+        self.unseen_prefix = unseen_prefix
         # With a compile config (the target's decoding forward is compiled too), the draft step after the first and
         # the Jacobi refinement (when every logits processor is position-free) run through torch.compile.
         self.draft_step = compiled(draft_block, compile_config) if compile_config is not None else draft_block
@@ -384,7 +393,8 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
         start = time.perf_counter()
         context_length = width - 1 if context_mask is None else context_mask.shape[1]  # target cache slots
         # slots whose features are not cached yet (a batch's compaction may have shrunk the dynamic cache)
-        num_new = context_length - (self.cached_context if self.static else self.cache.get_seq_length())
+        num_new = context_length - (self.cached_context if self.static else
+                                    self.unseen_prefix + self.cache.get_seq_length())
         block_ids = torch.full((batch, self.block_size), self.mask_token_id, device=input_ids.device)
         block_ids[:, 0] = last_tokens(input_ids, sequence_lengths, 1)[:, 0]
         if self.static:
@@ -396,6 +406,7 @@ class BlockDiffusionCandidateGenerator(CandidateGenerator):
                 positions = torch.arange(context_length - num_new, context_length + self.block_size, device=self.device)
                 positions = positions.expand(batch, -1)
             else:
+                context_mask = context_mask[:, self.unseen_prefix :]  # the drafter's slots
                 new, block = per_row_positions(context_mask.to(self.device), num_new, self.block_size)
                 positions = torch.cat([new, block], dim=1)
                 attention_mask = torch.cat([context_mask, context_mask.new_ones(batch, self.block_size)], 1)

@@ -34,6 +34,7 @@ import inspect
 import time
 import types
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -256,13 +257,20 @@ def speculative_decoding(
             cache = _compat.unwindowed_dynamic_cache(model.config.get_text_config(decoder=True))
         elif cache is None:
             cache = DynamicCache()
+    # A cache passed in pre-filled (a single prompt's) holds the prompt's first `cached_prompt` slots: the prefill
+    # feeds the rest. The drafter lacks their features unless the cache is one this loop handed back (a chat's next
+    # turn): then it continues from its own context cache of that call (`_CARRIED_DRAFTER_CONTEXT`), lacking only the
+    # last step's tokens and those added since. It drafts from what it has; the target verifies with the whole cache.
+    cached_prompt = 0 if static else int(cache.get_seq_length())
+    drafter_context = _carried_drafter_context(cache, speculator, cached_prompt, model_kwargs.get("attention_mask"))
     compiled = stats.compiled = static and _compat.forward_compiled(model, generation_config, cache)
     verify_forward = model.get_compiled_call(generation_config.compile_config) if compiled else model
     drafter = BlockDiffusionCandidateGenerator(
         model, speculator, method, generation_config, logits_processor, num_jacobi_passes, stats,
         static_cache_length=room if static else None,
         compile_config=_compat.compile_config(model, generation_config) if compiled else None,
-        num_draft_tokens=num_draft_tokens, batch_size=input_ids.shape[0],
+        num_draft_tokens=num_draft_tokens, batch_size=input_ids.shape[0], context_cache=drafter_context,
+        unseen_prefix=cached_prompt - (drafter_context.get_seq_length() if drafter_context is not None else 0),
     )
     # Keep what rolling back a verify forward needs (sliding, conv, recurrent layers), from the first verify forward on:
     # a recorded prompt's last tokens would be scanned one by one, where plain decoding scans the whole prompt in
@@ -272,7 +280,8 @@ def speculative_decoding(
     rows = RowBatch(input_ids, model_kwargs.get("attention_mask"), generation_config, pad_after_stop=has_eos_criterion,
                     attention_windows=attention_windows, mask_dtype=model.dtype,
                     compact_every_step=model.config.get_text_config().model_type in _SLOT_DISTANCE_MODEL_TYPES,
-                    keep_finished_rows=static or _peft_injected(model), prompt_slots=prompt_slots)
+                    keep_finished_rows=static or _peft_injected(model), prompt_slots=prompt_slots,
+                    cached_prompt=cached_prompt)
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
@@ -420,6 +429,8 @@ def speculative_decoding(
     if input_ids.shape[0] == 1:  # the cache handed back holds every token but the last, as plain `generate`'s does
         in_cache = len(rows.finished[0]) - 1 + prompt_slots - input_ids.shape[1]
         _compat.crop_cache(cache, rows.slots + num_fed - in_cache)
+        if not static and rows.prompt_mask is None and prompt_embeds is None:
+            _CARRIED_DRAFTER_CONTEXT[cache] = (weakref.ref(speculator.drafter), drafter.cache)
     sequences = rows.sequences()
     if not want_dict:
         return sequences
@@ -431,6 +442,26 @@ def speculative_decoding(
         # A batch's cache has per-row holes and lacks the rows that finished early: only a single row's is usable.
         **{_compat.generate_output_cache_field(): cache if input_ids.shape[0] == 1 else None},
     )
+
+
+# A single row's target cache handed back by the loop -> (the drafter, its context cache of that call): the next
+# turn of a chat passes the target cache back, and its drafter then continues from its own context instead of drafting
+# without the conversation so far. Weakly keyed, so it lives as long as the user keeps the cache, and nothing is set on
+# the user's objects (a deep copy of the cache starts without it).
+_CARRIED_DRAFTER_CONTEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _carried_drafter_context(cache, speculator, cached_prompt: int, attention_mask) -> DynamicCache | None:
+    """The drafter's context cache that came with this target cache, where it still applies: the same drafter, no
+    padding (its slots then number as its positions), and no more slots than the target cache holds (not cropped
+    below them since). Extending the target cache in between only widens what the drafter lacks."""
+    if not cached_prompt or cache not in _CARRIED_DRAFTER_CONTEXT:
+        return None
+    drafter, context = _CARRIED_DRAFTER_CONTEXT.pop(cache)  # this call extends it; a later one gets its own
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    if drafter() is not speculator.drafter or padded or context.get_seq_length() > cached_prompt:
+        return None
+    return context
 
 
 def _as_criteria_stop(generation_config, stopping_criteria):
@@ -630,8 +661,22 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
             f"speculation=... rolls the cache back past rejected drafts, and a {type(cache).__name__} cannot be rolled "
             "back. Pass no cache (the default dynamic one), or cache_implementation='static'."
         )
-    if cache is not None and not isinstance(cache, StaticCache) and cache.get_seq_length() > 0:
-        raise ValueError("speculation=... starts from an empty cache; do not pass a pre-filled cache.")
+    if cache is not None and not isinstance(cache, StaticCache) and (cached := int(cache.get_seq_length())) > 0:
+        # a prompt's prefix in the cache (computed once for many prompts, or handed back by the previous turn's call)
+        if batch_size > 1:
+            raise ValueError(
+                f"speculation=... continues a pre-filled cache for a single prompt; got {batch} with a cache holding "
+                f"{cached} tokens. Generate row by row (each row with its own copy of the cache), or pass no cache."
+            )
+        if input_ids.shape[1] <= cached:
+            raise ValueError(
+                f"speculation=... got a pre-filled cache holding {cached} tokens and a prompt of {input_ids.shape[1]}: "
+                "pass the whole prompt, the cached tokens followed by at least one new token."
+            )
+        if (reason := "inputs_embeds" if model_kwargs.get("inputs_embeds") is not None else "prefill_chunk_size"
+                if prefill_chunk_length else "images (video, audio)" if _with_media(prompt_only) else None):
+            raise ValueError(f"speculation=... continues a pre-filled cache with a prompt of token ids only; remove "
+                             f"{reason}, or pass no cache.")
     if batch_size > 1:
         if streamer is not None:
             raise ValueError(

@@ -147,6 +147,31 @@ def test_a_cache_that_cannot_be_rolled_back_is_refused(target, speculator):
         generate(target, speculator, past_key_values=cache)
 
 
+def test_what_a_prefilled_cache_cannot_continue_is_refused(target, speculator):
+    """A cache passed in pre-filled continues a single prompt of token ids that extends what it holds."""
+    import copy
+
+    from transformers import DynamicCache
+
+    from hf_specdiff import _compat
+
+    with torch.no_grad():
+        prefix = target(PROMPT[:, :3], **_compat.cache_kwargs(target, DynamicCache(config=target.config)))
+    prefix = getattr(prefix, _compat.generate_output_cache_field())
+
+    def prefilled(prompt, **kwargs):
+        return target.generate(prompt, assistant_model=speculator, speculation="xpress", max_new_tokens=5,
+                               **_compat.cache_kwargs(target, copy.deepcopy(prefix)), **kwargs)
+
+    with pytest.raises(ValueError, match="single prompt; got a batch of 2 with a cache holding 3 tokens"):
+        prefilled(PROMPT.repeat(2, 1))
+    with pytest.raises(ValueError, match="holding 3 tokens and a prompt of 3: pass the whole prompt"):
+        prefilled(PROMPT[:, :3])
+    with pytest.raises(ValueError, match="prompt of token ids only; remove prefill_chunk_size"):
+        prefilled(PROMPT, prefill_chunk_size=2)
+    assert torch.equal(prefilled(PROMPT), generate(target, speculator))  # what it continues
+
+
 def test_right_padded_prompt(target, speculator):
     # left padding is fine (tests/test_batched.py); padding after the prompt is refused
     with pytest.raises(ValueError, match="LEFT-padded"):

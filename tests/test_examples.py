@@ -119,6 +119,15 @@ def test_generate_with_speculator_example_runs():
 
 
 @pytest.mark.slow
+def test_continue_a_chat_example_runs():
+    """Each later turn continued from the cache the previous one handed back, identical to plain greedy decoding."""
+    script = NOTEBOOK.parent / "continue_a_chat.py"
+    out = subprocess.run([sys.executable, str(script), "--turns", "Name a prime number.", "Now a larger one.",
+                          "And one more?", "--max-new-tokens", "12"], capture_output=True, text=True, check=True).stdout
+    assert "later turns: 2, identical to plain greedy: 2/2" in out
+
+
+@pytest.mark.slow
 def test_draft_vocab_ab_reports_coverage_and_every_variant_lossless(tmp_path):
     """The draft vocabulary A/B on the embedded target: coverage of held-out answers, then one row per method and
     vocabulary, each with no output that differs from plain generate's."""

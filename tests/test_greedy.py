@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import (
@@ -933,6 +935,74 @@ def test_refining_fewer_slots_gives_the_same_leading_tokens():
             picker.start_block(anchors, k, VOCAB)
             head, _, _ = jacobi_refine(refiner, logits[:, :k], hidden, anchors, picker, num_passes=2 * block)
             assert torch.equal(head, whole[:, :k])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_cache_passed_in_prefilled_continues_as_plain_generate(method, monkeypatch):
+    """transformers' prefix caching (a prompt's prefix computed once into a cache, a copy passed with each prompt) and
+    a chat's next turn continued from the cache the previous call handed back: the prefill feeds only the tokens the
+    cache lacks, and the output is plain greedy's. The drafter drafts from the slots after a prefix it never saw, and
+    continues a turn from its own context of the call that handed the cache back."""
+    import copy
+
+    from transformers import DynamicCache
+
+    from hf_specdiff import _compat
+
+    target = hf_specdiff.enable(make_successor_target())
+    with_cache = functools.partial(_compat.cache_kwargs, target)  # `cache=` from 5.25 on, else its old name
+    returned_cache = _compat.generate_output_cache_field()
+    speculator = make_speculator(target, oracle=True)
+    prefilled = []  # tokens fed by each prefill
+    target.model.register_forward_pre_hook(lambda module, args, kwargs: prefilled.append(kwargs["input_ids"].shape[1]),
+                                           with_kwargs=True)
+    options = dict(assistant_model=speculator, speculation=method, return_dict_in_generate=True)
+    drafter_starts = []  # (target cache slots the drafter lacks, slots of its own context it starts with) per call
+
+    class Recorded(hf_specdiff.generation.BlockDiffusionCandidateGenerator):
+        def __init__(self, *args, unseen_prefix=0, context_cache=None, **kwargs):
+            carried = 0 if context_cache is None else context_cache.get_seq_length()
+            drafter_starts.append((unseen_prefix, carried))
+            super().__init__(*args, unseen_prefix=unseen_prefix, context_cache=context_cache, **kwargs)
+
+    monkeypatch.setattr(hf_specdiff.generation, "BlockDiffusionCandidateGenerator", Recorded)
+    taus = []
+    for i, prompt in prompts(12, seed=3):
+        prompt = torch.cat([prompt, torch.randint(1, VOCAB, (1, 3))], dim=1)
+        cut, new_tokens = 1 + i % (prompt.shape[1] - 1), 5 + 7 * (i % 4)
+        with torch.no_grad():
+            prefix = getattr(target(prompt[:, :cut], **with_cache(DynamicCache(config=target.config))), returned_cache)
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=new_tokens)
+        prefilled.clear()
+        out = target.generate(prompt, **with_cache(copy.deepcopy(prefix)), max_new_tokens=new_tokens, **options)
+        assert torch.equal(out.sequences, plain), (i, cut)
+        assert prefilled[0] == prompt.shape[1] - cut and drafter_starts[-1] == (cut, 0)
+        taus.append(out.speculation.tau)
+        # the next turn: the output so far and a few new tokens, from the cache this call handed back
+        turn = torch.cat([out.sequences, torch.randint(1, VOCAB, (1, 1 + i % 3))], dim=1)
+        cache = getattr(out, returned_cache)
+        in_cache = cache.get_seq_length()  # all but the last token of `out.sequences`
+        branch = copy.deepcopy(cache)  # a branch of the chat
+        prefilled.clear()
+        next_turn = target.generate(turn, **with_cache(cache), max_new_tokens=new_tokens, **options)
+        assert torch.equal(next_turn.sequences, target.generate(turn, do_sample=False, max_new_tokens=new_tokens))
+        assert prefilled[0] == turn.shape[1] - in_cache
+        # it lacks what it lacked in the previous turn (the prefix) and the tokens verified after its last draft in it:
+        # a block's, and the single token a last step a token short of max_length verified with no draft
+        unseen, carried = drafter_starts[-1]
+        assert unseen + carried == in_cache and cut <= unseen <= cut + speculator.drafter.config.block_size + 1
+        assert carried >= prompt.shape[1] - cut  # the turn's first prompt past the prefix at least
+        # the branch, a deep copy, starts the drafter without that context, as exact
+        branch = target.generate(turn, **with_cache(branch), max_new_tokens=new_tokens, **options)
+        assert drafter_starts[-1] == (in_cache, 0) and torch.equal(branch.sequences, next_turn.sequences)
+    # a prompt left-padded as in a batch, its cached prefix padding and all
+    padded, mask = torch.tensor([[0, 0, 9, 4, 11, 3, 8]]), torch.tensor([[0, 0, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        prefix = target(padded[:, :4], attention_mask=mask[:, :4], **with_cache(DynamicCache(config=target.config)))
+    out = target.generate(padded, attention_mask=mask, **with_cache(getattr(prefix, returned_cache)), max_new_tokens=12,
+                          **options)
+    assert torch.equal(out.sequences, target.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=12))
+    assert method == "dflash" or sum(taus) / len(taus) > 1.5  # drafts were accepted without the prefix's features
 
 
 @pytest.mark.parametrize("cache", [None, "static"])
