@@ -275,6 +275,16 @@ class Speculator(nn.Module):
         return speculator.to(device) if device is not None else speculator
 
 
+def _mlp_width(text_config) -> int:
+    """The drafter's MLP width: the target's (Gemma 3n lists one per layer: the widest), under the names configs give
+    it (GPT-2, GPT-J and GPTBigCode call it n_inner, OPT ffn_dim, Falcon ffn_hidden_size); where a config leaves it
+    implied (GPT-2's n_inner None, BLOOM), the 4 x hidden size such models use."""
+    for name in ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"):
+        if (width := getattr(text_config, name, None)) is not None:
+            return max(width) if isinstance(width, (list, tuple)) else width
+    return 4 * text_config.hidden_size
+
+
 def _quantized_module(model) -> str | None:
     """The name of the first torch.ao quantized module in `model` (e.g. from `torch.ao.quantization.quantize_dynamic`),
     or None."""
@@ -451,8 +461,9 @@ class AutoSpeculator:
         with_markov_head: bool = True,
         seed: int | None = None,
     ) -> Speculator:
-        """A randomly initialised speculator whose shapes fit `target`, a decoder-only causal LM whose config has
-        Llama's geometry fields (Llama, Mistral, Qwen, Phi-3, Gemma, OLMo, GPT-NeoX, ...).
+        """A randomly initialised speculator whose shapes fit `target`, a decoder-only causal LM whose config names
+        its width, heads and depth as transformers' configs do (Llama, Mistral, Qwen, Phi-3, Gemma, OLMo, GPT-NeoX,
+        GPT-2, GPT-J, OPT, Falcon, BLOOM, ...).
 
         The drafter copies the target's attention geometry and RoPE; `target_layer_ids` default to
         `num_draft_layers` layers spread over the target's depth, as in the published drafters. `mask_token_id`
@@ -465,11 +476,12 @@ class AutoSpeculator:
             # Gemma 4 sets head_dim and K/V heads per layer (and refuses to read one for all): the drafter, whose
             # attention is full, takes its full-attention layers' geometry
             text = text.per_layer_config["full_attention"]
-        for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"):
+        for field in ("hidden_size", "num_attention_heads", "num_hidden_layers"):
             if getattr(text, field, None) is None:
                 raise ValueError(
                     f"{type(target).__name__} has no `{field}` in its config: hf_specdiff drafts for decoder-only "
-                    "models with Llama's geometry fields (Llama, Mistral, Qwen, Gemma, Phi-3, OLMo, GPT-NeoX, ...)."
+                    "models whose config names their width, heads and depth as transformers' configs do (Llama, "
+                    "Qwen, Gemma, GPT-2, OPT, ...)."
                 )
         # the drafts are read out through the target's lm_head; the mask token need only be embeddable (Mllama's
         # embedding table has 8 rows past its lm_head's)
@@ -481,9 +493,7 @@ class AutoSpeculator:
         if seed is not None:
             torch.manual_seed(seed)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        intermediate_size = text.intermediate_size  # Gemma 3n lists one per layer: the drafter takes the widest
-        if isinstance(intermediate_size, (list, tuple)):
-            intermediate_size = max(intermediate_size)
+        intermediate_size = _mlp_width(text)
         drafter_config = DFlashConfig(
             hidden_size=text.hidden_size,
             intermediate_size=intermediate_size,

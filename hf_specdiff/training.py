@@ -413,10 +413,18 @@ def init_draft_layers_from_target(speculator: Speculator, target, layer: int) ->
     embeddings, a random start predicts its own input token with huge confidence: initial CE ~85 vs ~14 here).
     q_norm/k_norm (absent in Llama) stay at identity."""
     decoder = target.get_decoder()
-    source = decoder.layers[layer].state_dict()
+    layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)  # (GPT-2's family keeps them in `h`)
+    source = layers[layer].state_dict() if layers is not None else {}
     for draft_layer in speculator.drafter.layers:
         own = draft_layer.state_dict()
         copied = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
+        if not copied:
+            raise ValueError(
+                f"init_from_target_layer={layer} copies a target decoder layer into each draft layer, and "
+                f"{type(target).__name__}'s layers name their weights unlike the drafter's (Llama's q_proj, gate_proj, "
+                "...), so nothing would be copied. Start the draft layers at random: init_from_target_layer=None "
+                "(`--init-from-target-layer none`)."
+            )
         draft_layer.load_state_dict(copied, strict=False)
     if getattr(decoder, "norm", None) is not None:
         speculator.drafter.norm.load_state_dict(decoder.norm.state_dict())

@@ -420,10 +420,11 @@ def test_enabling_a_torch_compiled_model_says_to_enable_the_model_it_wraps(specu
 
 
 def test_from_target_rejects_unsupported_architectures():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import RwkvConfig, RwkvForCausalLM
 
-    target = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match="decoder-only models with Llama's geometry fields"):
+    target = RwkvForCausalLM(RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                                        intermediate_size=64))
+    with pytest.raises(ValueError, match="has no `num_attention_heads` in its config: .* width, heads and depth"):
         AutoSpeculator.from_target(target)
 
 
@@ -439,9 +440,9 @@ def test_a_target_that_keeps_no_cache_is_refused(family):
         target = transformers.RwkvForCausalLM(transformers.RwkvConfig(
             vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
             num_attention_heads=4))  # (RWKV has no heads: from_target reads the field for the drafter)
-    else:  # intermediate_size: the geometry field from_target reads (GPT-1's MLP is 4x wide)
+    else:
         target = transformers.OpenAIGPTLMHeadModel(transformers.OpenAIGPTConfig(
-            vocab_size=64, n_embd=32, n_layer=2, n_head=2, intermediate_size=128))
+            vocab_size=64, n_embd=32, n_layer=2, n_head=2))
     target = hf_specdiff.enable(target.eval())
     speculator = make_speculator(target)
     with pytest.raises(ValueError, match=f"{type(target).__name__} keeps nothing there .* without speculation"):
@@ -456,10 +457,9 @@ def test_targets_the_loop_cannot_drive_are_refused(family):
     import transformers
 
     torch.manual_seed(0)
-    if family.startswith("xlm"):  # (intermediate_size, num_attention_heads: the geometry fields from_target reads)
+    if family.startswith("xlm"):
         target = transformers.XLMWithLMHeadModel(transformers.XLMConfig(
-            vocab_size=64, emb_dim=32, n_layers=2, n_heads=2, causal=family == "xlm-causal", pad_index=2,
-            intermediate_size=64, num_attention_heads=2))
+            vocab_size=64, emb_dim=32, n_layers=2, n_heads=2, causal=family == "xlm-causal", pad_index=2))
     else:
         target = transformers.MiniMaxForCausalLM(transformers.MiniMaxConfig(
             vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

@@ -149,6 +149,50 @@ def test_greedy_equals_plain_across_target_families(family, monkeypatch):
     assert len(accepted) >= 5 and len(accepted_static) >= 3, f"too few roll-back depths: {accepted}, {accepted_static}"
 
 
+# Families whose configs name the MLP width otherwise, or leave it implied: {model class: config fields}
+OTHER_GEOMETRY_FAMILIES = {
+    "GPT2LMHeadModel": {"n_embd": 64, "n_layer": 2, "n_head": 4},  # n_inner None: 4 x n_embd
+    "GPTJForCausalLM": {"n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8, "n_inner": 96},
+    "GPTBigCodeForCausalLM": {"n_embd": 64, "n_layer": 2, "n_head": 4},
+    "OPTForCausalLM": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 96,
+                       "word_embed_proj_dim": 64},
+    "FalconForCausalLM": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4},
+    "BloomForCausalLM": {"hidden_size": 64, "n_layer": 2, "n_head": 4},
+}
+
+
+@pytest.mark.parametrize("model_class", OTHER_GEOMETRY_FAMILIES)
+def test_targets_naming_their_geometry_otherwise_speculate(model_class, monkeypatch):
+    """GPT-2, GPT-J, GPTBigCode, OPT, Falcon and BLOOM name their MLP width n_inner, ffn_dim or ffn_hidden_size, or
+    leave it implied (4 x the hidden size): `from_target` builds their drafters, and every method is lossless on a
+    prompt alone and on a ragged batch, drafts accepted to every depth (greedy replays)."""
+    import transformers
+
+    config_class = getattr(transformers, model_class.replace("ForCausalLM", "Config").replace("LMHeadModel", "Config"))
+    torch.manual_seed(0)
+    config = config_class(vocab_size=VOCAB, initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+                          **OTHER_GEOMETRY_FAMILIES[model_class])  # (wider weights: greedy outputs that vary)
+    target = getattr(transformers, model_class)(config)
+    target = hf_specdiff.enable(target.double().eval())
+    speculator = make_speculator(target)
+    fields = OTHER_GEOMETRY_FAMILIES[model_class]
+    width = fields.get("n_inner") or fields.get("ffn_dim") or 4 * target.config.hidden_size
+    assert speculator.drafter.config.intermediate_size == width
+    batch, mask = torch.tensor([[0, 0, 7, 3, 9], [4, 8, 1, 6, 2]]), torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    options = dict(max_new_tokens=14, pad_token_id=0)
+    plain = target.generate(batch, attention_mask=mask, do_sample=False, **options)
+    accepted = set()
+    for method in METHODS:
+        with monkeypatch.context() as patch:
+            replay_greedy_drafts(patch, [plain[0, 2:], plain[1]])
+            out = target.generate(batch, attention_mask=mask, assistant_model=speculator, speculation=method,
+                                  return_dict_in_generate=True, **options)
+            assert torch.equal(out.sequences, plain), method
+            accepted.update(out.speculation.accepted_lengths)
+        accepted.update(assert_same_as_plain(target, speculator, method, batch[1:], **options).accepted_lengths)
+    assert len(accepted) >= 4, accepted
+
+
 @pytest.mark.parametrize("family", ["llama", *TARGET_FAMILIES, *STATE_FAMILIES])
 def test_the_hidden_states_the_drafter_reads_are_the_full_forwards(family):
     """The loop asks the target for the hidden states its drafter reads alone (transformers 5.24 on keep only those:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import VOCAB, make_speculator, make_successor_target
 
+import hf_specdiff
 from hf_specdiff import AutoSpeculator
 from hf_specdiff.draft_vocab import DraftReadOut, full_width
 from hf_specdiff.training import SpeculatorTrainer, TrainConfig, collate, read_sequences, train, weighted_tv
@@ -163,12 +164,33 @@ def test_resume_refuses_other_held_out_rows_or_shape(tmp_path, target):
 
 
 def test_unsupported_target_fails_before_training(tmp_path, target):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import RwkvConfig, RwkvForCausalLM
 
     data = write_distill(tmp_path / "distill.jsonl", target, rows=8)
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB))
-    with pytest.raises(ValueError, match="decoder-only models with Llama's geometry fields"):
+    rwkv = RwkvForCausalLM(RwkvConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                                      intermediate_size=64))  # (no attention heads to give the drafter)
+    with pytest.raises(ValueError, match="RwkvForCausalLM has no `num_attention_heads` in its config"):
+        train(tiny_config(tmp_path, data, holdout_sequences=2), target=rwkv, progress=False)
+
+
+def test_a_target_with_other_layers_than_llamas_trains_from_random_draft_layers(tmp_path):
+    """GPT-2's layers name their weights unlike the drafter's: the default warm start (a copy of the target's last
+    layer) would copy nothing, and says so before any training; started at random, the speculator trains, loads
+    and speculates as plain greedy decodes."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB)).eval()
+    data = write_distill(tmp_path / "distill.jsonl", gpt2, rows=8)
+    with pytest.raises(ValueError, match="name their weights unlike the drafter's .* init_from_target_layer=None"):
         train(tiny_config(tmp_path, data, holdout_sequences=2), target=gpt2, progress=False)
+    train(tiny_config(tmp_path, data, holdout_sequences=2, init_from_target_layer=None, max_steps=4, eval_every=2,
+                      save_every=2), target=gpt2, progress=False)
+    speculator = AutoSpeculator.from_pretrained(tmp_path / "run" / "speculator")
+    hf_specdiff.enable(gpt2)
+    prompt = torch.tensor([[5, 9, 2, 7]])
+    assert torch.equal(gpt2.generate(prompt, assistant_model=speculator, speculation="xpress", max_new_tokens=10),
+                       gpt2.generate(prompt, do_sample=False, max_new_tokens=10))
 
 
 def test_a_vision_language_target_trains_from_its_folder(tmp_path):
