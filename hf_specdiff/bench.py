@@ -227,6 +227,22 @@ def prompt_messages(dataset: str, row: dict) -> list[dict]:
     return [{"role": "user", "content": _question(dataset, row)}]
 
 
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """A chat's prompt tokens as the model expects them: through the tokenizer's chat template (the assistant's turn
+    opened), or, for a base model, whose tokenizer has none, the messages' text as it reads a document (their contents,
+    a blank line between them), with the special tokens the tokenizer adds."""
+    if tokenizer.chat_template is not None:
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+    if not all(isinstance(message.get("content"), str) for message in messages):
+        raise ValueError("A prompt for a model without a chat template must be text: each message's content a string.")
+    return list(tokenizer("\n\n".join(message["content"] for message in messages))["input_ids"])
+
+
+def prompt_format(tokenizer) -> str:
+    """How `prompt_ids` writes prompts for this tokenizer, for the results' environment."""
+    return "chat template" if tokenizer.chat_template is not None else "plain text (no chat template)"
+
+
 def load_prompts(config: BenchConfig) -> list[tuple[str, list[dict]]]:
     """[(dataset, chat messages)] with `limit` prompts per dataset drawn in a seeded order."""
     return [(dataset, prompt_messages(dataset, row)) for dataset, row in load_rows(config)]
@@ -515,11 +531,10 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
         nonlocal forwards
         forwards += 1
 
-    encoded = [
-        (dataset, tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                return_dict=True).to(config.device))
-        for dataset, messages in prompts
-    ]
+    encoded = []
+    for dataset, messages in prompts:
+        ids = torch.tensor([prompt_ids(tokenizer, messages)], device=config.device)
+        encoded.append((dataset, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}))
     longest = max(inputs["input_ids"].shape[1] for _, inputs in encoded)
     runs = _method_runs(config, speculator, max_cache_len=longest + config.max_new_tokens)
     compiled = {}
@@ -564,7 +579,7 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
     bar.close()
     names = [n for n, _ in runs]
     datasets = list(dict.fromkeys(r["dataset"] for r in records))
-    return {"config": asdict(config), "environment": _environment(target, config, speculator), "runs": names,
+    return {"config": asdict(config), "environment": _environment(target, config, speculator, tokenizer), "runs": names,
             "summary": summarize(records, names),
             "by_dataset": {d: summarize([r for r in records if r["dataset"] == d], names) for d in datasets},
             "records": records}
@@ -742,7 +757,7 @@ def speed_settings_note(env: dict) -> str:
     return "; set: " + ", ".join(f"{name}={value}" for name, value in settings.items()) if settings else ""
 
 
-def _environment(target, config, speculator=None) -> dict:
+def _environment(target, config, speculator=None, tokenizer=None) -> dict:
     import transformers
 
     device = config.device
@@ -756,10 +771,18 @@ def _environment(target, config, speculator=None) -> dict:
            "speed_settings": {name: os.environ[name] for name in SPEED_SETTINGS if name in os.environ}}
     if device == "cpu":  # the few-row layout the speculative loop takes here (`_cpu_linear.py`)
         env["cpu_weights_packed"] = _cpu_linear.packing_pays_on_this_cpu()
+    if tokenizer is not None:  # a base model's prompts are plain text
+        env["prompt_format"] = prompt_format(tokenizer)
     if speculator is not None:  # which one (the folder it was loaded from), and how many tokens it drafts from
         env["speculator"] = speculator.drafter.config.name_or_path or None
         env["draft_vocab_size"] = None if speculator.draft_vocab is None else len(speculator.draft_vocab)
     return env
+
+
+def prompt_format_note(env: dict) -> str:
+    """A footer's note when the prompts were plain text (a base model's), else nothing."""
+    plain = env.get("prompt_format", "chat template") != "chat template"
+    return "; prompts as plain text (the tokenizer has no chat template)" if plain else ""
 
 
 def _prompt_source(result: dict) -> str:
@@ -817,7 +840,7 @@ def markdown_table(result: dict) -> str:
     lines.append(f"{env['device_name']} ({env['device']}), {env['dtype']}, torch {env['torch']}, "
                  f"transformers {env['transformers']}; {_prompt_source(result)}, "
                  f"max_new_tokens {result['config']['max_new_tokens']}{_drafts_per_block(result)}"
-                 f"{speed_settings_note(env)}.")
+                 f"{speed_settings_note(env)}{prompt_format_note(env)}.")
     if any("compiled" in e for e in result["summary"].values()):
         lines.append(f"{compile_note(result['summary'], result['config'])} Prefill = time to the first generated "
                      "token; decode tokens/s = the tokens after it over the time after it.")

@@ -52,6 +52,8 @@ from .bench import (
     mean_accepted_length,
     mean_target_logprob,
     phase_times,
+    prompt_format_note,
+    prompt_ids,
     sampling_note,
     speed_settings_note,
     timed_generate,
@@ -97,11 +99,7 @@ def run_batch_bench(config: BenchConfig, target=None, tokenizer=None, speculator
     prompts = curve_prompts(prompts, sorted(config.batch_size))
     target, tokenizer, speculator = load_models(config, target, tokenizer, speculator)
     stop_ids, pad = stop_and_pad_ids(target, tokenizer)
-    encoded = [
-        (dataset, list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     return_dict=True)["input_ids"]))
-        for dataset, messages in prompts
-    ]
+    encoded = [(dataset, prompt_ids(tokenizer, messages)) for dataset, messages in prompts]
     runs = _method_runs(config, speculator, max(len(ids) for _, ids in encoded) + config.max_new_tokens)
     common = {**generate_kwargs(config), "pad_token_id": pad}
     sampling = config.temperature > 0
@@ -130,12 +128,12 @@ def run_batch_bench(config: BenchConfig, target=None, tokenizer=None, speculator
                 out, seconds = timed_generate(target, **batch, **common, **kwargs)
                 record = {"batch_size": size, "first_prompt": start, "method": name, "seconds": seconds, "rows": []}
                 for row in range(size):  # outside the timing
-                    dataset, prompt_ids = encoded[start + row]
+                    dataset, prompt = encoded[start + row]
                     generated = until_stop(out.sequences[row, width:].tolist(), stop_ids)
                     entry = {"prompt": start + row, "dataset": dataset, "new_tokens": len(generated)}
                     if sampling:
-                        sequence = torch.tensor([prompt_ids + generated], device=config.device)
-                        entry["mean_logprob"] = mean_target_logprob(target, sequence, len(prompt_ids),
+                        sequence = torch.tensor([prompt + generated], device=config.device)
+                        entry["mean_logprob"] = mean_target_logprob(target, sequence, len(prompt),
                                                                     config.temperature)
                     elif name != "ar":
                         entry.update(_lossless_check(reference, out, width, config.tie_tolerance, row, stop_ids,
@@ -156,8 +154,9 @@ def run_batch_bench(config: BenchConfig, target=None, tokenizer=None, speculator
     for size in sizes:
         for name in names:
             curve[str(size)][name]["compiled"] = compiled[size, name]
-    return {"kind": "batch_curve", "config": asdict(config), "environment": _environment(target, config, speculator),
-            "runs": names, "batch_sizes": sizes, "curve": curve, "records": records}
+    return {"kind": "batch_curve", "config": asdict(config),
+            "environment": _environment(target, config, speculator, tokenizer), "runs": names, "batch_sizes": sizes,
+            "curve": curve, "records": records}
 
 
 def summarize_curve(records: list[dict], runs: list[str]) -> dict:
@@ -228,7 +227,8 @@ def batch_markdown_table(result: dict) -> str:
                          if "finished_row_share" in summary["ar"]) or "not recorded"
     lines += ["", f"{env['device_name']} ({env['device']}), {env['dtype']}, torch {env['torch']}, transformers "
               f"{env['transformers']}; prompts from {source}, left-padded batches, max_new_tokens "
-              f"{config['max_new_tokens']}{_drafts_per_block(result)}{speed_settings_note(env)}; prompts used per "
+              f"{config['max_new_tokens']}{_drafts_per_block(result)}{speed_settings_note(env)}"
+              f"{prompt_format_note(env)}; prompts used per "
               f"batch size (full batches only): {used}; by dataset: {', '.join(f'{d} {n}' for d, n in mix.items())}. "
               "tokens/s counts each row's tokens up to its first stop; tau is tokens per row per target forward; "
               f"phase times are per batched step. {compile_note(first, config)} Plain batched generate's row-steps "

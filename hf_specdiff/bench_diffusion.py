@@ -131,7 +131,7 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
     `base_model`: the causal LM the diffusion LM was adapted from, when given in memory."""
     from tqdm.auto import tqdm
 
-    from .bench import NEAR_TIE_ULPS, _environment, prompt_messages
+    from .bench import NEAR_TIE_ULPS, _environment, prompt_ids, prompt_messages
     from .candidates import synchronize
     from .diffusion import AutoDiffusionLM, diffusion_generate, load_tokenizer
     from .diffusion.adapter_weights import load_base, named_base
@@ -179,9 +179,7 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
         raise ValueError(f"No prompts to measure (limit={config.limit}, datasets {list(config.datasets)}, the graph's "
                          "calibration prompts left out): raise --limit or bench other datasets.")
     encoded = [
-        (dataset, row, tokenizer.apply_chat_template(prompt_messages(dataset, row), add_generation_prompt=True,
-                                                     return_tensors="pt",
-                                                     return_dict=True)["input_ids"].to(config.device))
+        (dataset, row, torch.tensor([prompt_ids(tokenizer, prompt_messages(dataset, row))], device=config.device))
         for dataset, row in rows
     ]
     eos = tokenizer.eos_token_id
@@ -238,7 +236,8 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
             bar.update(1)
     bar.close()
     datasets = list(dict.fromkeys(r["dataset"] for r in records))
-    return {"config": _config_dict(config), "environment": _environment(model, config), "runs": methods,
+    return {"config": _config_dict(config), "environment": _environment(model, config, tokenizer=tokenizer),
+            "runs": methods,
             "summary": summarize_diffusion(records, methods),
             "by_dataset": {d: summarize_diffusion([r for r in records if r["dataset"] == d], methods)
                            for d in datasets},
@@ -380,7 +379,7 @@ def summarize_diffusion(records: list[dict], methods: list[str]) -> dict:
 
 
 def diffusion_markdown_table(result: dict) -> str:
-    from .bench import speed_settings_note
+    from .bench import prompt_format_note, speed_settings_note
 
     lines = ["| dataset | method | NFE | NFE reduction | tokens/s | speedup | accuracy | finished | repeated 4-grams | "
              "base ppl | mismatches (unexplained) | exact |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -396,7 +395,8 @@ def diffusion_markdown_table(result: dict) -> str:
     env = result["environment"]
     lines.append("")
     lines.append(f"{env.get('device')}, {env.get('dtype')}, torch {env.get('torch')}, transformers "
-                 f"{env.get('transformers')}{speed_settings_note(env)}; accuracy: GSM8K / MATH-500 answer match, "
+                 f"{env.get('transformers')}{speed_settings_note(env)}{prompt_format_note(env)}; accuracy: GSM8K / "
+                 "MATH-500 answer match, "
                  "code sets: code parses; finished: answers ending with EOS within the budget; repeated 4-grams: "
                  "share of an answer's 4-grams seen earlier in it; base ppl: the AR base's perplexity of the answers.")
     return "\n".join(lines)

@@ -474,7 +474,7 @@ def calibrate(args) -> None:
 
     import torch
 
-    from .bench import BenchConfig, load_prompts, torch_dtype
+    from .bench import BenchConfig, load_prompts, prompt_ids, torch_dtype
     from .diffusion import AutoDiffusionLM, DiffusionGenerationConfig, load_tokenizer
     from .spiffy import calibrate as calibrate_graph
     from .spiffy import check_calibration_options
@@ -496,8 +496,7 @@ def calibrate(args) -> None:
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoDiffusionLM.from_pretrained(options.model, dtype=dtype, device=device)
     tokenizer = load_tokenizer(options.tokenizer or options.model)
-    prompts = [tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                             return_dict=True)["input_ids"] for _, messages in chats]
+    prompts = [torch.tensor([prompt_ids(tokenizer, messages)]) for _, messages in chats]
     graph = calibrate_graph(model, prompts, decoding, num_nodes=options.num_nodes, max_depth=options.max_depth,
                             num_token_ranks=options.num_token_ranks,
                             description={"model": options.model, **calibration_prompts})

@@ -167,7 +167,9 @@ def answered_ids(output: Path) -> set:
 @torch.no_grad()
 def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool = True) -> Path:
     """Answer `config`'s prompts with the target, appending rows to `config.output`; ids already there are skipped.
-    Prompts, options and the output file are all checked before the target loads, so a typo costs seconds."""
+    Prompts, options and the output file are all checked before the target loads, so a typo costs seconds. A prompt
+    goes through the target's chat template, or, for a base model without one, is its plain text."""
+    from .bench import prompt_ids
     from tqdm.auto import tqdm
 
     prompts = collect_prompts(config)
@@ -179,18 +181,17 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
         from .embedded import load_target
 
         target, tokenizer = load_target(config.target, dtype=getattr(torch, config.dtype))
-    if tokenizer is None or tokenizer.chat_template is None:
-        raise ValueError("distill needs the target's tokenizer with a chat template.")
+    if tokenizer is None:
+        raise ValueError("distill needs the target's tokenizer: pass tokenizer= with target=.")
     target = target.to(config.device).eval()
 
     todo = []
     for prompt_id, prompt in prompts:
         if prompt_id in done:
             continue
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_dict=True)["input_ids"]
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": prompt}])  # (a base model's: the prompt's text)
         if len(ids) <= config.max_prompt_tokens:
-            todo.append((prompt_id, prompt, list(ids)))
+            todo.append((prompt_id, prompt, ids))
     todo.sort(key=lambda row: len(row[2]))  # similar lengths per batch: less padding
     eos, pad = stop_and_pad_ids(target, tokenizer)
 

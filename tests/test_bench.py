@@ -108,6 +108,33 @@ def test_bench_reports_every_method_side_by_side(tmp_path, smollm):
         "acceptance_by_position.png", "accepted_lengths.png", "speedup.png"]
 
 
+@pytest.mark.parametrize("batch_size", [[1], [1, 2]])
+def test_a_base_model_without_a_chat_template_is_benched_on_plain_text(tmp_path, smollm, batch_size):
+    """A base model's tokenizer has no chat template: each prompt is its plain text (before: transformers' error that
+    no chat template is set), said in the environment and under the table; still lossless."""
+    import copy
+
+    target, tokenizer, speculator = smollm
+    base_tokenizer = copy.deepcopy(tokenizer)
+    base_tokenizer.chat_template = None
+    fed = []
+    hook = target.model.register_forward_pre_hook(lambda _, args, kwargs: fed.append(kwargs["input_ids"][-1].tolist()),
+                                                  with_kwargs=True)
+    try:
+        config = BenchConfig(prompts=str(_two_prompts(tmp_path)), limit=0, max_new_tokens=6, device="cpu",
+                             methods=["ar", "xpress"], batch_size=batch_size, markdown=str(tmp_path / "out.md"))
+        result = run_bench(config, target=target, tokenizer=base_tokenizer, speculator=speculator, progress=False)
+    finally:
+        hook.remove()
+    assert result["environment"]["prompt_format"] == "plain text (no chat template)"
+    assert base_tokenizer("Name three primary colours.")["input_ids"] in fed  # a prefill, the last row of its batch
+    write_outputs(result, config)
+    assert "prompts as plain text (the tokenizer has no chat template)" in (tmp_path / "out.md").read_text()
+    summary = result["summary"] if batch_size == [1] else result["curve"]["2"]
+    assert summary["xpress"]["unexplained_mismatches"] == 0
+    assert _environment(target, BenchConfig(device="cpu"), tokenizer=tokenizer)["prompt_format"] == "chat template"
+
+
 def test_environment_names_the_speculator_and_its_draft_vocabulary(tmp_path, smollm):
     target, _, speculator = smollm
     speculator.save_pretrained(tmp_path / "speculator")

@@ -16,6 +16,22 @@ def smollm():
     return hf_specdiff.load_default_target()
 
 
+def test_a_base_model_without_a_chat_template_answers_its_prompts_as_plain_text(tmp_path, smollm):
+    """Before: "distill needs the target's tokenizer with a chat template"."""
+    import copy
+
+    target, tokenizer = smollm
+    base_tokenizer = copy.deepcopy(tokenizer)
+    base_tokenizer.chat_template = None
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "q0", "prompt": "The capital of France is"}) + "\n")
+    config = DistillConfig(sources=[str(prompts)], output=str(tmp_path / "answers.jsonl"), max_new_tokens=6,
+                           device="cpu")
+    distill(config, target=target, tokenizer=base_tokenizer, progress=False)
+    row = json.loads((tmp_path / "answers.jsonl").read_text())
+    assert row["prompt_ids"] == base_tokenizer("The capital of France is")["input_ids"] and row["response_ids"]
+
+
 def test_distill_writes_rows_and_resumes(tmp_path, smollm):
     target, tokenizer = smollm
     prompts = tmp_path / "prompts.jsonl"
