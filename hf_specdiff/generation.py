@@ -677,6 +677,15 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                 if prefill_chunk_length else "images (video, audio)" if _with_media(prompt_only) else None):
             raise ValueError(f"speculation=... continues a pre-filled cache with a prompt of token ids only; remove "
                              f"{reason}, or pass no cache.")
+        # M-RoPE models (Qwen2-VL and kin) place an image's tokens at fewer positions than it has tokens, so the
+        # positions after a cached prefix depend on images the loop cannot see (the model keeps that shift from its
+        # last prefill with images, `rope_deltas`)
+        if any(callable(getattr(part, "get_rope_index", None)) for part in (model, getattr(model, "model", None))):
+            raise ValueError(
+                f"speculation=... numbers the tokens after a pre-filled cache by their slots, and "
+                f"{type(model).__name__} places tokens at 3D (M-RoPE) positions, which images in the cached prefix "
+                "shift. Pass the whole conversation without the cache (or generate without speculation)."
+            )
     if batch_size > 1:
         if streamer is not None:
             raise ValueError(
