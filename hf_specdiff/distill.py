@@ -169,8 +169,9 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
     """Answer `config`'s prompts with the target, appending rows to `config.output`; ids already there are skipped.
     Prompts, options and the output file are all checked before the target loads, so a typo costs seconds. A prompt
     goes through the target's chat template, or, for a base model without one, is its plain text."""
-    from .bench import prompt_ids
     from tqdm.auto import tqdm
+
+    from .bench import prompt_ids
 
     prompts = collect_prompts(config)
     output = Path(config.output)
