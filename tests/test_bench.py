@@ -260,6 +260,7 @@ def test_bad_bench_inputs(tmp_path):
              '{"prompt": 5}': "`prompt` must be a string, got int",
              '{"messages": "hi"}': "`messages` must be a non-empty list",
              '{"messages": []}': "`messages` must be a non-empty list",
+             '{"messages": [{"role": "assistant", "content": "b"}]}': '`messages` has no turn with role "user"',
              '{"prompt": "ok"': "is not JSON"}
     for line, message in lines.items():
         bad.write_text('{"prompt": "fine"}\n' + line + "\n")
@@ -271,6 +272,12 @@ def test_bad_bench_inputs(tmp_path):
     good = _two_prompts(tmp_path)
     assert len(load_prompts(BenchConfig(prompts=str(good), limit=0))) == 2  # 0: all of them
     assert len(load_prompts(BenchConfig(prompts=str(good), limit=1))) == 1
+    # a chat from a data set, its answer included: benched at its last user turn, as distill answers it
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."}]
+    good.write_text(json.dumps({"messages": chat}) + "\n")
+    assert load_prompts(BenchConfig(prompts=str(good))) == [("custom", chat[:4])]
     refused = {  # each before any model loads: run_bench is given no model
         "--limit must be >= 0": dict(limit=-1),
         "--temperature must be >= 0": dict(temperature=-0.5),

@@ -56,12 +56,43 @@ def test_distill_writes_rows_and_resumes(tmp_path, smollm):
     assert len(read_sequences([str(tmp_path / "answers.jsonl")], 256)) == 4
 
 
+def test_a_chat_is_answered_at_its_last_user_turn_with_what_precedes_it_as_context(tmp_path, smollm):
+    """A `messages` row (an app's system prompt, a chat's earlier turns) is answered as the target answers that chat:
+    the drafter then learns what the target writes in that context. A data set's own answer after the last user
+    turn is not read. Before: "needs a `prompt` field"."""
+    target, tokenizer = smollm
+    system = {"role": "system", "content": "You are a pirate. Answer in one short sentence."}
+    chats = {
+        "c0": [system, {"role": "user", "content": "What is the capital of France?"}],
+        "c1": [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple."},
+               {"role": "user", "content": "And a vegetable?"}, {"role": "assistant", "content": "A carrot."}],
+    }
+    prompts = tmp_path / "chats.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "messages": m}) + "\n" for i, m in chats.items())
+                       + json.dumps({"id": "p0", "prompt": "Say hi."}) + "\n")
+    config = DistillConfig(sources=[str(prompts)], output=str(tmp_path / "answers.jsonl"), max_new_tokens=10,
+                           batch_size=3, device="cpu")
+    distill(config, target=target, tokenizer=tokenizer, progress=False)
+    rows = {row["id"]: row for row in map(json.loads, (tmp_path / "answers.jsonl").read_text().splitlines())}
+    asked = {"c0": chats["c0"], "c1": chats["c1"][:3], "p0": [{"role": "user", "content": "Say hi."}]}
+    for prompt_id, messages in asked.items():
+        row = rows[prompt_id]
+        assert row.get("messages", [{"role": "user", "content": row.get("prompt")}]) == messages
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)
+        assert row["prompt_ids"] == inputs["input_ids"][0].tolist()
+        alone = target.generate(**inputs, do_sample=False, max_new_tokens=10)[0, inputs["input_ids"].shape[1]:]
+        assert row["response_ids"] == alone.tolist()[: len(row["response_ids"])] and row["response_ids"]
+    assert "prompt" not in rows["c0"] and rows["p0"]["prompt"] == "Say hi."
+    assert len(read_sequences([str(tmp_path / "answers.jsonl")], 256)) == 3
+
+
 def test_bad_prompt_sources_are_refused(tmp_path):
     with pytest.raises(ValueError, match="Unknown prompt source"):
         collect_prompts(DistillConfig(sources=["imagenet"]))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "x"}\n')
-    with pytest.raises(ValueError, match="needs a `prompt` field"):
+    with pytest.raises(ValueError, match="needs exactly one of a `prompt` string or a `messages` list"):
         collect_prompts(DistillConfig(sources=[str(bad)]))
 
 
@@ -185,8 +216,13 @@ def test_a_malformed_prompts_line_is_named_by_file_and_line(tmp_path):
     for text, match in [
         ('{"prompt": "a"}\n{"prompt": "b"\n', r"prompts\.jsonl:2 is not JSON \(Expecting ',' delimiter\): write one "
                                              "JSON object per line"),
-        ('{"prompt": "a"}\n\n["b"]\n', r"prompts\.jsonl:3 needs a `prompt` field"),
+        ('{"prompt": "a"}\n\n["b"]\n', r"prompts\.jsonl:3 needs exactly one of a `prompt` string or a `messages` "
+                                          "list"),
         ('{"prompt": 3}\n', r"prompts\.jsonl:1: `prompt` must be a string, got int"),
+        ('{"messages": [{"role": "system", "content": "x"}]}\n', r"prompts\.jsonl:1: `messages` has no turn with role "
+                                                                 '"user"'),
+        ('{"messages": [{"role": "user"}]}\n', r"prompts\.jsonl:1: `messages` must be a non-empty list"),
+        ('{"prompt": "a", "messages": []}\n', r"prompts\.jsonl:1 needs exactly one of"),
         ("\n\n", r"prompts\.jsonl holds no prompts"),
     ]:
         prompts.write_text(text)
