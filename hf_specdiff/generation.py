@@ -259,10 +259,13 @@ def speculative_decoding(
             cache = DynamicCache()
     # A cache passed in pre-filled (a single prompt's) holds the prompt's first `cached_prompt` slots: the prefill
     # feeds the rest. The drafter lacks their features unless the cache is one this loop handed back (a chat's next
-    # turn): then it continues from its own context cache of that call (`_CARRIED_DRAFTER_CONTEXT`), lacking only the
-    # last step's tokens and those added since. It drafts from what it has; the target verifies with the whole cache.
+    # turn): then it continues from its own context cache of that call (`_HANDED_BACK`), lacking only the last step's
+    # tokens and those added since. It drafts from what it has; the target verifies with the whole cache. On an M-RoPE
+    # model the tokens after the cache run on from the positions of that call's last ones (`position_offsets`).
     cached_prompt = 0 if static else int(cache.get_seq_length())
-    drafter_context = _carried_drafter_context(cache, speculator, cached_prompt, model_kwargs.get("attention_mask"))
+    handed_back = _HANDED_BACK.pop(cache, None) if cached_prompt else None  # this call extends the cache
+    drafter_context = _drafter_context(handed_back, speculator, cached_prompt, model_kwargs.get("attention_mask"))
+    position_offsets = handed_back.position_offsets if handed_back is not None else None
     compiled = stats.compiled = static and _compat.forward_compiled(model, generation_config, cache)
     verify_forward = model.get_compiled_call(generation_config.compile_config) if compiled else model
     drafter = BlockDiffusionCandidateGenerator(
@@ -346,6 +349,8 @@ def speculative_decoding(
             positions = prompt_positions
         elif multidimensional:
             positions = positions[None] + offsets[:, rows.rows, None]  # (D, b, n)
+        elif position_offsets is not None:  # (a single row)
+            positions = positions[None] + position_offsets[:, None, None]
         # the prefill of a prompt given as embeddings reads them (`fed` then holds the prompt's tokens, if any)
         inputs = {"inputs_embeds": prompt_embeds} if first and prompt_embeds is not None else {"input_ids": fed}
         if first:  # images and the like, read with the prompt
@@ -430,7 +435,8 @@ def speculative_decoding(
         in_cache = len(rows.finished[0]) - 1 + prompt_slots - input_ids.shape[1]
         _compat.crop_cache(cache, rows.slots + num_fed - in_cache)
         if not static and rows.prompt_mask is None and prompt_embeds is None:
-            _CARRIED_DRAFTER_CONTEXT[cache] = (weakref.ref(speculator.drafter), drafter.cache)
+            _HANDED_BACK[cache] = _HandedBack(weakref.ref(speculator.drafter), drafter.cache,
+                                              offsets[:, 0] if multidimensional else position_offsets)
     sequences = rows.sequences()
     if not want_dict:
         return sequences
@@ -444,22 +450,32 @@ def speculative_decoding(
     )
 
 
-# A single row's target cache handed back by the loop -> (the drafter, its context cache of that call): the next
-# turn of a chat passes the target cache back, and its drafter then continues from its own context instead of drafting
-# without the conversation so far. Weakly keyed, so it lives as long as the user keeps the cache, and nothing is set on
-# the user's objects (a deep copy of the cache starts without it).
-_CARRIED_DRAFTER_CONTEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+@dataclass
+class _HandedBack:
+    """What a single row's target cache handed back by the loop carries into the call that continues it (a chat's
+    next turn passes the cache back): the drafter's own context cache of that call, so that it does not draft without
+    the conversation so far, and, on an M-RoPE model, each position dimension's shift over the slot numbers of the
+    tokens after it, (D,), which images in that conversation set (None: none)."""
+
+    drafter: weakref.ref
+    drafter_context: DynamicCache
+    position_offsets: torch.Tensor | None
 
 
-def _carried_drafter_context(cache, speculator, cached_prompt: int, attention_mask) -> DynamicCache | None:
+# Weakly keyed by the target cache handed back, so a record lives as long as the user keeps the cache, and nothing is
+# set on the user's objects (a deep copy of the cache starts without it).
+_HANDED_BACK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _drafter_context(handed_back, speculator, cached_prompt: int, attention_mask) -> DynamicCache | None:
     """The drafter's context cache that came with this target cache, where it still applies: the same drafter, no
     padding (its slots then number as its positions), and no more slots than the target cache holds (not cropped
     below them since). Extending the target cache in between only widens what the drafter lacks."""
-    if not cached_prompt or cache not in _CARRIED_DRAFTER_CONTEXT:
+    if handed_back is None:
         return None
-    drafter, context = _CARRIED_DRAFTER_CONTEXT.pop(cache)  # this call extends it; a later one gets its own
+    context = handed_back.drafter_context
     padded = attention_mask is not None and not bool(attention_mask.all())
-    if drafter() is not speculator.drafter or padded or context.get_seq_length() > cached_prompt:
+    if handed_back.drafter() is not speculator.drafter or padded or context.get_seq_length() > cached_prompt:
         return None
     return context
 
@@ -678,13 +694,16 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
             raise ValueError(f"speculation=... continues a pre-filled cache with a prompt of token ids only; remove "
                              f"{reason}, or pass no cache.")
         # M-RoPE models (Qwen2-VL and kin) place an image's tokens at fewer positions than it has tokens, so the
-        # positions after a cached prefix depend on images the loop cannot see (the model keeps that shift from its
-        # last prefill with images, `rope_deltas`)
-        if any(callable(getattr(part, "get_rope_index", None)) for part in (model, getattr(model, "model", None))):
+        # positions after a cached prefix depend on images the loop cannot see, unless the loop handed the cache back
+        # itself and kept that shift beside it (the model keeps it from its last prefill with images, `rope_deltas`,
+        # which need not be this conversation's)
+        mrope = any(callable(getattr(part, "get_rope_index", None)) for part in (model, getattr(model, "model", None)))
+        if mrope and cache not in _HANDED_BACK:
             raise ValueError(
-                f"speculation=... numbers the tokens after a pre-filled cache by their slots, and "
-                f"{type(model).__name__} places tokens at 3D (M-RoPE) positions, which images in the cached prefix "
-                "shift. Pass the whole conversation without the cache (or generate without speculation)."
+                f"speculation=... got a pre-filled cache it did not hand back, and {type(model).__name__} places "
+                "tokens at 3D (M-RoPE) positions, which images in the cached prefix shift by an amount the cache does "
+                "not hold. Pass the cache a speculative generate of one unpadded prompt returned (the previous "
+                "turn's, not a copy: it carries that shift), or the whole conversation without the cache."
             )
     if batch_size > 1:
         if streamer is not None:

@@ -170,13 +170,15 @@ def test_what_a_prefilled_cache_cannot_continue_is_refused(target, speculator):
     with pytest.raises(ValueError, match="prompt of token ids only; remove prefill_chunk_size"):
         prefilled(PROMPT, prefill_chunk_size=2)
     assert torch.equal(prefilled(PROMPT), generate(target, speculator))  # what it continues
-    # a model placing tokens at 3D (M-RoPE) positions, which images in the cached prefix would have shifted
+    # a model placing tokens at 3D (M-RoPE) positions, which images in a cached prefix the loop did not hand back
+    # would have shifted by an amount it cannot know
     from test_greedy import make_mrope_vision_language_target
 
     vision_language = make_mrope_vision_language_target("qwen2_vl")
     with torch.no_grad():
         prefix = vision_language(PROMPT[:, :3], **_compat.cache_kwargs(vision_language, DynamicCache()))
-    with pytest.raises(ValueError, match="places tokens at 3D .M-RoPE. positions, which images in the cached prefix"):
+    with pytest.raises(ValueError, match="pre-filled cache it did not hand back, and Qwen2VLForConditionalGeneration "
+                                         "places tokens at 3D .M-RoPE. positions"):
         vision_language.generate(PROMPT, assistant_model=AutoSpeculator.from_target(vision_language, block_size=8),
                                  speculation="xpress", max_new_tokens=4,
                                  **_compat.cache_kwargs(vision_language,

@@ -525,6 +525,56 @@ def test_a_prompt_with_an_image_at_3d_positions(family, monkeypatch):
         assert torch.equal(out[0], plain[row, -real - 20 :])
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5"])
+def test_a_chat_about_an_image_continues_from_the_cache_handed_back(family, monkeypatch):
+    """A chat's next turn on an M-RoPE model, continued from the cache the previous speculative call returned: its
+    tokens run on from the positions of that call's last tokens, which the image shifted (4 image tokens at 2
+    positions), as plain `generate` continues them (from the model's `rope_deltas`). Exact to the logits: a position
+    off by the image's shift changes them by 3e-3 (Qwen2-VL) and 6e-2 (Qwen3.5) here, which the argmax may not show.
+    A third turn continues the second's cache; a chat whose first turn had no image continues too. Before: refused."""
+    import copy
+    import inspect
+
+    from hf_specdiff import _compat
+
+    if family == "qwen3_5" and not _compat.recurrent_rollback_supported():
+        pytest.skip("a recurrent state rolls back from transformers 5.25 on")
+    target = make_mrope_vision_language_target(family)
+    speculator = hf_specdiff.AutoSpeculator.from_target(target, block_size=8, num_draft_layers=2, seed=1)
+    returned_cache = _compat.generate_output_cache_field()
+    token_types = "mm_token_type_ids" in inspect.signature(target.model.get_rope_index).parameters
+    pixels = torch.randn(16, 3 * 2 * 14 * 14, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def text(ids):  # (a mask: a generated token may be the pad token, which `generate` would take as padding)
+        return dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+    def with_image(ids):  # the whole conversation so far, its image included: what plain generate reads from scratch
+        inputs = dict(**text(ids), image_grid_thw=torch.tensor([[1, 4, 4]]), pixel_values=pixels)
+        return {**inputs, "mm_token_type_ids": (ids == 299).int()} if token_types else inputs
+
+    options = dict(do_sample=False, max_new_tokens=12, return_dict_in_generate=True, output_logits=True)
+    for first_turn in (with_image(torch.tensor([[2, 5, 297, 299, 299, 299, 299, 296, 17, 40, 41]])),
+                       text(torch.tensor([[2, 5, 17, 40, 41]]))):
+        out = target.generate(**first_turn, **options, assistant_model=speculator, speculation="xpress")
+        assert torch.equal(out.sequences, target.generate(**first_turn, **options).sequences)
+        for turn in ([50, 51, 52], [60, 7]):
+            ids = torch.cat([out.sequences, torch.tensor([turn])], dim=1)
+            cache = getattr(out, returned_cache)
+            plain = target.generate(**with_image(ids) if "pixel_values" in first_turn else text(ids), **options)
+            monkeypatch.undo()  # (the previous turn's drafts)
+            replay_greedy_drafts(monkeypatch, [plain.sequences[0]])
+            with pytest.raises(ValueError, match="pre-filled cache it did not hand back"):  # a copy lacks the shift
+                target.generate(**text(ids), **_compat.cache_kwargs(target, copy.deepcopy(cache)),
+                                assistant_model=speculator, speculation="dflash", max_new_tokens=2)
+            out = target.generate(**text(ids), **_compat.cache_kwargs(target, cache), **options,
+                                  assistant_model=speculator, speculation="xpress")
+            assert torch.equal(out.sequences, plain.sequences)
+            # (Qwen3.5's linear attention computes in float32 inside: 6e-8 between a prompt read whole and in parts)
+            torch.testing.assert_close(torch.stack(out.logits), torch.stack(plain.logits), rtol=0, atol=1e-6)
+            assert max(out.speculation.accepted_lengths) >= 3
+        monkeypatch.undo()
+
+
 def make_omni_thinker():
     """Qwen2.5-Omni's thinker: a video of 2 x 4 x 4 patches is 8 tokens between 297 and 296, 16 frames of audio 4
     tokens between 293 and 294; 3D (M-RoPE) positions."""
