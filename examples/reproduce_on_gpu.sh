@@ -38,7 +38,8 @@ quick=(); quick_speculator=(); quick_diffusion=(); verify=(--compile)
 curve_limit=64; curve_sizes=(1 4 16 32 64); calibrate_limit=25; dtype=bfloat16; block=32
 if [[ "${QUICK:-0}" == 1 ]]; then
   # fp32: bf16 autocast on a CPU without bf16 instructions (AVX2 only) takes ~50 s per toy step
-  quick=(--max-steps 3 --batch-size 2 --eval-every 3 --save-every 3 --max-seq-len 128 --mixed-precision no)
+  quick=(--max-steps 3 --warmup-steps 1 --batch-size 2 --eval-every 3 --save-every 3 --max-seq-len 128
+         --mixed-precision no)
   quick_speculator=(--anchors-per-sequence 4 --holdout-sequences 2); quick_diffusion=(--eval-sequences 4)
   verify=(--widths 1 2 --repeats 1 --context 16)
   limit=2; tokens=16; curve_limit=2; curve_sizes=(1 2); calibrate_limit=1; dtype=float32; block=8

@@ -69,6 +69,23 @@ def take_dtype(dtype, hub_kwargs: dict, what: str, also: str):
     return dtype
 
 
+# names of the files transformers reads a tokenizer from: tokenizers' JSON, its config, SentencePiece, tiktoken and BPE
+# vocabularies (tokenizer.json, tokenizer_config.json, tokenizer.model, spiece.model, vocab.json, merges.txt, ...)
+TOKENIZER_FILE_PATTERNS = ("tokenizer*", "vocab*", "merges*", "*.model", "*.tiktoken", "tekken.json", "spiece*")
+
+
+def check_tokenizer_folder(path_or_repo_id: str | os.PathLike, what: str, remedy: str = "") -> None:
+    """Raise OSError when `path_or_repo_id` is a local folder holding no tokenizer file. transformers would otherwise
+    fall back on building one from the folder's config and fail with "Couldn't instantiate the backend tokenizer ...
+    sentencepiece or tiktoken", which names neither the folder nor the fix. `remedy`: the command's own way out."""
+    folder = Path(path_or_repo_id)
+    if not folder.is_dir() or any(next(folder.glob(pattern), None) for pattern in TOKENIZER_FILE_PATTERNS):
+        return
+    raise OSError(f"{folder} holds no tokenizer (no tokenizer.json, tokenizer_config.json or vocabulary file), so the "
+                  f"{what}'s prompts cannot be tokenized: save the model's tokenizer into that folder "
+                  f"(tokenizer.save_pretrained({str(folder)!r})){remedy}.")
+
+
 # transformers' `push_to_hub` options that shape the Hub commit (the others shape the saved files, or nothing here)
 UPLOAD_OPTIONS = ("commit_message", "commit_description", "private", "token", "revision", "create_pr")
 

@@ -180,21 +180,42 @@ def json_lines(path: str | Path, example: str):
                              f"{example}.") from None
 
 
+def recorded_config(config) -> dict:
+    """The options a result records: its `datasets` are those its prompts came from ("custom": a --prompts file, which
+    replaces the default datasets the config still holds)."""
+    return {**asdict(config), "datasets": ["custom"] if config.prompts else list(config.datasets)}
+
+
 def chat_prompt(where: str, messages) -> list[dict]:
-    """A `messages` field as the prompt it asks: checked to be a non-empty list of {"role", "content"} dicts with
-    string values, and cut after its last user turn. Whatever follows that turn (a data set's answer to it) would be
-    read as context before a second answer, where the model is to write its own."""
+    """A `messages` field as the prompt it asks: checked to be a non-empty list of {"role", "content"} dicts, and cut
+    after its last user turn. Whatever follows that turn (a data set's answer to it) would be read as context before a
+    second answer, where the model is to write its own. A content given as OpenAI's list of text parts
+    ([{"type": "text", "text": ...}]) becomes their text, a line apart (as OpenAI-compatible servers join them), which
+    every chat template reads."""
     if not isinstance(messages, list) or not messages or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in messages
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
     ):
         raise ValueError(f"{where}: `messages` must be a non-empty list of "
                          '{"role": ..., "content": ...} dicts with string values.')
+    messages = [{**message, "content": _text_content(where, message.get("content"))} for message in messages]
     users = [i for i, message in enumerate(messages) if message["role"] == "user"]
     if not users:
         raise ValueError(f"{where}: `messages` has no turn with role \"user\": the model answers the last user turn "
                          "(with the messages before it, a system prompt included, as its context).")
     return messages[: users[-1] + 1]
+
+
+def _text_content(where: str, content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(isinstance(part, dict) for part in content):
+        if other := sorted({str(part.get("type")) for part in content} - {"text"}):
+            raise ValueError(f"{where}: a message's content has {other} parts; these prompts are text: give text parts "
+                             '({"type": "text", "text": ...}) or a string.')
+        if all(isinstance(part.get("text"), str) for part in content):
+            return "\n".join(part["text"] for part in content)
+    raise ValueError(f"{where}: `messages` must be a non-empty list of {{\"role\": ..., \"content\": ...}} dicts with "
+                     f'string values (or lists of {{"type": "text", "text": ...}} parts); got content {content!r:.80}.')
 
 
 def read_prompts_file(path: str) -> list[dict]:
@@ -501,13 +522,17 @@ _AR_OPTIONS = ("jacobi_passes", "num_draft_tokens", "compile", "speculator")
 
 
 def check_diffusion_options(config: BenchConfig) -> None:
-    """Autoregressive-bench options set for a run of diffusion methods, which none of them uses."""
+    """Autoregressive-bench options set for a run of diffusion methods, which none of them uses, and a draft graph
+    given to a run without a Spiffy method."""
     defaults = BenchConfig()
     if changed := [name for name in _AR_OPTIONS if getattr(config, name) != getattr(defaults, name)]:
         raise ValueError(
             f"{', '.join('--' + name.replace('_', '-') for name in changed)}: the diffusion methods "
             f"{list(config.methods)} do not use it (the speculative methods do: ar, dflash, xpress, ...). Drop it."
         )
+    if config.draft_graph is not None and not any(method.startswith("spiffy") for method in config.methods):
+        raise ValueError(f"--draft-graph {config.draft_graph} (spiffy, spiffy_threshold): no method in --methods "
+                         f"{list(config.methods)} uses it. Add such a method or drop the option.")
 
 
 def generate_kwargs(config: BenchConfig) -> dict:
@@ -592,7 +617,8 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
     bar.close()
     names = [n for n, _ in runs]
     datasets = list(dict.fromkeys(r["dataset"] for r in records))
-    return {"config": asdict(config), "environment": _environment(target, config, speculator, tokenizer), "runs": names,
+    return {"config": recorded_config(config), "environment": _environment(target, config, speculator, tokenizer),
+            "runs": names,
             "summary": summarize(records, names),
             "by_dataset": {d: summarize([r for r in records if r["dataset"] == d], names) for d in datasets},
             "records": records}

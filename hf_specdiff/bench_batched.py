@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import asdict
 from itertools import chain, zip_longest
 from pathlib import Path
 
@@ -54,6 +53,7 @@ from .bench import (
     phase_times,
     prompt_format_note,
     prompt_ids,
+    recorded_config,
     sampling_note,
     speed_settings_note,
     timed_generate,
@@ -154,7 +154,7 @@ def run_batch_bench(config: BenchConfig, target=None, tokenizer=None, speculator
     for size in sizes:
         for name in names:
             curve[str(size)][name]["compiled"] = compiled[size, name]
-    return {"kind": "batch_curve", "config": asdict(config),
+    return {"kind": "batch_curve", "config": recorded_config(config),
             "environment": _environment(target, config, speculator, tokenizer), "runs": names, "batch_sizes": sizes,
             "curve": curve, "records": records}
 

@@ -135,6 +135,7 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
     from .candidates import synchronize
     from .diffusion import AutoDiffusionLM, diffusion_generate, load_tokenizer
     from .diffusion.adapter_weights import load_base, named_base
+    from .diffusion.decoding import out_of_vocabulary
     from .spiffy import DraftGraph
 
     from .bench import check_bench_config, check_diffusion_options
@@ -150,8 +151,8 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
 
         if config.target is None:  # the one shipped for the embedded SmolLM2, as AR methods default to its speculator
             config = dataclasses.replace(config, target=str(default_diffusion_lm_path()))
+        tokenizer = load_tokenizer(config.target)  # first: a folder saved without its tokenizer fails at once
         model = AutoDiffusionLM.from_pretrained(config.target, dtype=dtype)
-        tokenizer = load_tokenizer(config.target)
     if tokenizer is None:
         if config.target is None:
             raise ValueError("A diffusion LM given in memory needs its tokenizer: pass tokenizer= (or config.target, "
@@ -182,6 +183,11 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
         (dataset, row, torch.tensor([prompt_ids(tokenizer, prompt_messages(dataset, row))], device=config.device))
         for dataset, row in rows
     ]
+    for _, _, ids in encoded:  # another model's tokenizer: said here, not as an IndexError in the first forward
+        if (token := out_of_vocabulary(ids, None, model)) is not None:
+            raise ValueError(f"The tokenizer writes token id {token}, but the diffusion LM has "
+                             f"{model.config.vocab_size} tokens: save the tokenizer the model was trained with into "
+                             "its folder (or pass it as tokenizer=).")
     eos = tokenizer.eos_token_id
     methods = measured_methods(config.methods)
 
@@ -344,9 +350,9 @@ def _rows_not_used_for_calibration(config, graph) -> list[tuple[str, dict]]:
 
 
 def _config_dict(config) -> dict:
-    from dataclasses import asdict
+    from .bench import recorded_config
 
-    return asdict(config)
+    return recorded_config(config)
 
 
 def summarize_diffusion(records: list[dict], methods: list[str]) -> dict:

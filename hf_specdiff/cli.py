@@ -206,10 +206,15 @@ def demo_diffusion(prompt: str, model_path: str | None, graph_path: str | None, 
 
     from .embedded import default_diffusion_lm_path
 
+    # the options and the graph first: a wrong one fails before the model loads and anything is printed
+    options = dict(max_new_tokens=max_new_tokens, block_length=block_length, cache="dual")
+    for thresh in (None, threshold):
+        DiffusionGenerationConfig(**options, threshold=thresh).validate()
     model_path = model_path or default_diffusion_lm_path()
-    model = AutoDiffusionLM.from_pretrained(model_path, device=device)
-    tokenizer = load_tokenizer(model_path)
     graph = DraftGraph.from_pretrained(graph_path or model_path)
+    graph.check_compatible(DiffusionGenerationConfig(**options, threshold=threshold))
+    tokenizer = load_tokenizer(model_path)
+    model = AutoDiffusionLM.from_pretrained(model_path, device=device)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         return_tensors="pt", return_dict=True)["input_ids"].to(device)
     mask_id = model.mask_token_id
@@ -221,7 +226,6 @@ def demo_diffusion(prompt: str, model_path: str | None, graph_path: str | None, 
         print(f"block {block} | {text}", flush=True)
 
     print(f"\n> {prompt}\n\nSpiffy + threshold unmasking, one line per forward pass:")
-    options = dict(max_new_tokens=max_new_tokens, block_length=block_length, cache="dual")
     diffusion_generate(model, ids, config=DiffusionGenerationConfig(**options, threshold=threshold), draft_graph=graph,
                        eos_token_id=tokenizer.eos_token_id, on_forward=show)
     rows, outputs = [], {}
@@ -253,6 +257,15 @@ def export(args) -> None:
     """Ship a training run: a speculator run (holds speculator/) or a diffusion LM run (holds diffusion_lm/)."""
     from pathlib import Path
 
+    run, output = Path(args.run).resolve(), Path(args.output).resolve()
+    if output.exists() and not output.is_dir():
+        raise SystemExit(f"--output {args.output} is a file: give a folder (made if missing).")
+    # the run's own artifact (what the export reads, and what a resumed run continues) and checkpoints
+    kept = [run / name for name in ("speculator", "diffusion_lm", "checkpoints")]
+    if output == run or any(output == folder or folder in output.parents for folder in kept):
+        raise SystemExit(f"--output {args.output} is the run folder or inside its speculator/, diffusion_lm/ or "
+                         "checkpoints/ (the trained weights the export reads, which a resumed run continues): give a "
+                         "folder outside them.")
     if (Path(args.run) / "diffusion_lm").is_dir():
         export_diffusion(args)
     elif (Path(args.run) / "speculator").is_dir():
@@ -444,10 +457,11 @@ def export_diffusion(args) -> None:
 class CalibrateConfig:
     """What `hf-specdiff calibrate` reads; the decoding options come from DiffusionGenerationConfig's flags."""
 
-    model: str = dataclasses.field(default="", metadata={"help": (
-        "the diffusion LM to calibrate for: a folder or Hub id that AutoDiffusionLM loads (required)")})
+    model: str | None = dataclasses.field(default=None, metadata={"help": (
+        "the diffusion LM to calibrate for: a folder or Hub id that AutoDiffusionLM loads; None: the one shipped for "
+        "the embedded SmolLM2-135M-Instruct (as bench and demo --diffusion default to)")})
     tokenizer: str | None = dataclasses.field(default=None, metadata={"help": (
-        "folder or Hub id of its tokenizer; None: the model's own")})
+        "folder or Hub id of its tokenizer; None: the one saved in the model's folder")})
     output: str = dataclasses.field(default="spiffy_graph", metadata={"help": (
         "folder the calibrated graph is written to (spiffy_graph.json)")})
     datasets: list[str] = dataclasses.field(default_factory=lambda: ["math500", "mbpp"], metadata={"help": (
@@ -474,15 +488,17 @@ def calibrate(args) -> None:
 
     import torch
 
+    from ._hub import can_only_be_a_path, check_tokenizer_folder
     from .bench import BenchConfig, load_prompts, prompt_ids, torch_dtype
     from .diffusion import AutoDiffusionLM, DiffusionGenerationConfig, load_tokenizer
+    from .diffusion.decoding import out_of_vocabulary
+    from .embedded import default_diffusion_lm_path
     from .spiffy import calibrate as calibrate_graph
     from .spiffy import check_calibration_options
 
     options = _dataclass_from_args(CalibrateConfig, args)
     decoding = _dataclass_from_args(DiffusionGenerationConfig, args)
-    if not options.model:
-        raise SystemExit("--model is required: a diffusion LM folder or Hub id.")
+    model_path = options.model or str(default_diffusion_lm_path())
     check_calibration_options(options.num_nodes, options.max_depth, options.num_token_ranks)
     if options.prompts and options.datasets != CalibrateConfig().datasets:
         raise ValueError(f"--prompts {options.prompts} replaces --datasets {options.datasets}: give one of them.")
@@ -494,12 +510,24 @@ def calibrate(args) -> None:
     calibration_prompts = ({"prompts_file": options.prompts, "limit": options.limit} if options.prompts else
                            {"datasets": options.datasets, "prompt_seed": options.prompt_seed, "limit": options.limit})
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoDiffusionLM.from_pretrained(options.model, dtype=dtype, device=device)
-    tokenizer = load_tokenizer(options.tokenizer or options.model)
+    # before the model loads: a folder saved without its tokenizer has a way out here
+    check_tokenizer_folder(options.tokenizer or model_path, "diffusion LM",
+                           "" if options.tokenizer else ", or pass --tokenizer (a folder or Hub id holding it)")
+    model = AutoDiffusionLM.from_pretrained(model_path, dtype=dtype, device=device)
+    tokenizer = load_tokenizer(options.tokenizer or model_path)
     prompts = [torch.tensor([prompt_ids(tokenizer, messages)]) for _, messages in chats]
+    for prompt in prompts:  # another model's tokenizer: said here, not as an IndexError in the first forward
+        if (token := out_of_vocabulary(prompt, None, model)) is not None:
+            raise ValueError(
+                f"The tokenizer of {options.tokenizer or model_path} writes token id {token}, but the model has "
+                f"{model.config.vocab_size} tokens: pass the tokenizer the model was trained with (--tokenizer)."
+            )
+    # recorded in the graph: a local folder by its name (the path of one machine means nothing on another)
+    local = can_only_be_a_path(model_path) or Path(model_path).is_dir()
+    recorded_model = Path(model_path).resolve().name if local else model_path
     graph = calibrate_graph(model, prompts, decoding, num_nodes=options.num_nodes, max_depth=options.max_depth,
                             num_token_ranks=options.num_token_ranks,
-                            description={"model": options.model, **calibration_prompts})
+                            description={"model": recorded_model, **calibration_prompts})
     path = graph.save_pretrained(Path(options.output))
     print(f"{len(graph)} nodes calibrated on {len(prompts)} prompts: {path}")
 

@@ -30,6 +30,7 @@ the whole vocabulary, -inf outside. Verification gets q over the whole vocabular
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from typing import Iterable
 
@@ -69,6 +70,10 @@ def top_tokens(sequences: Iterable[Iterable[int]], size: int, always: int | Iter
     first = list(dict.fromkeys(int(t) for t in always))
     kept = set(first)
     ranked = [t for t, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])) if t not in kept]
+    if len(first) + len(ranked) < size:
+        warnings.warn(f"The answers hold {len(first) + len(ranked)} distinct tokens (EOS included), fewer than the "
+                      f"{size} asked for: the draft vocabulary has {len(first) + len(ranked)}. Distill answers to "
+                      "more prompts for a larger one.", stacklevel=2)
     return torch.tensor((first + ranked)[:size], dtype=torch.long)
 
 

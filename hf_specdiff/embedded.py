@@ -234,7 +234,7 @@ def load_target(path_or_repo_id: str | None, dtype="float32", with_tokenizer: bo
         AutoTokenizer,
     )
 
-    from ._hub import check_folder_or_repo_id, find_file
+    from ._hub import check_folder_or_repo_id, check_tokenizer_folder, find_file
 
     if path_or_repo_id is None:
         model, tokenizer = load_default_target(dtype=dtype)
@@ -242,6 +242,8 @@ def load_target(path_or_repo_id: str | None, dtype="float32", with_tokenizer: bo
     check_folder_or_repo_id(path_or_repo_id, "target")
     find_file(str(path_or_repo_id), "config.json", "target", "Point at a causal LM's folder (its config.json beside "
               "the weights), or leave the target out for the embedded SmolLM2-135M-Instruct.")
+    if with_tokenizer:  # before the weights load
+        check_tokenizer_folder(path_or_repo_id, "target")
     config = AutoConfig.from_pretrained(path_or_repo_id)
     if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
         model_class = AutoModelForCausalLM

@@ -33,7 +33,6 @@ import functools
 import inspect
 import time
 import types
-import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -57,6 +56,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from . import _compat
 from ._cpu_linear import few_row_linears
+from ._warnings import warn_at_caller
 from .batching import AttentionChunks, RowBatch
 from .candidates import BlockDiffusionCandidateGenerator, SpeculationStats, process_logits, synchronize
 
@@ -993,6 +993,12 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
                 _check_native_dflash_target(model)
         return generate(model, *args, assistant_model=assistant_model, **kwargs)
 
+    if speculation == "spiffy":  # the diffusion LMs' method, asked of a causal LM
+        raise ValueError(
+            f"speculation='spiffy' is Spiffy, for masked diffusion LMs: load one with hf_specdiff.AutoDiffusionLM (or "
+            f"wrap yours in hf_specdiff.DiffusionAdapter) and enable that. {type(model).__name__} is a causal LM: "
+            f"choose one of {SPECULATION_METHODS}."
+        )
     if speculation not in SPECULATION_METHODS:
         raise ValueError(f"speculation={speculation!r} is not supported; choose one of {SPECULATION_METHODS}.")
     if not isinstance(assistant_model, Speculator):
@@ -1112,11 +1118,11 @@ def _warn_of_shape_dependent_quantization(model) -> None:
     quant_type = quant_type if isinstance(quant_type, str) else type(quant_type).__name__
     what = "bitsandbytes" if config.quant_method == "bitsandbytes" else quant_type
     if what == "bitsandbytes" or "activation" in quant_type.lower():
-        warnings.warn(
+        warn_at_caller(
             f"This target is quantized with {what}, whose forward of several tokens computes other logits than its "
             "forward of one: its greedy output depends on how it is fed, and speculation, which verifies several "
             "tokens per forward, may leave plain generate's where the two disagree. Quantize the weights alone (e.g. "
-            "torchao's Int8WeightOnlyConfig) for output identical to plain generate's.", stacklevel=3,
+            "torchao's Int8WeightOnlyConfig) for output identical to plain generate's."
         )
 
 

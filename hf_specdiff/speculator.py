@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import warnings
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ from ._hub import (
     take_dtype,
     upload_folder,
 )
+from ._warnings import warn_at_caller
 from .dflash import DFlashConfig, DFlashDraftModel, embedding_sample, full_attention_rope_parameters, spread_layer_ids
 from .draft_vocab import check_draft_vocab
 from .markov import MarkovConfig, MarkovHead
@@ -154,11 +154,11 @@ class Speculator(nn.Module):
             if trained_for.shape != this_target.shape or bool(
                 (trained_for - this_target).abs().max() > 0.1 * trained_for.abs().mean()
             ):
-                warnings.warn(
+                warn_at_caller(
                     "This speculator was trained for a target with other embeddings (its recorded sample of the "
                     "embedding table differs from this target's): its drafts will rarely be accepted, so speculation "
                     "will be slow. The output is unchanged (speculation is lossless). Use a speculator trained for "
-                    "this target (`hf-specdiff train`).", stacklevel=3,
+                    "this target (`hf-specdiff train`)."
                 )
         target_param = target.get_output_embeddings().weight
         placements = {(p.device, p.dtype) for p in self.parameters()}

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ._hub import check_folder_or_repo_id, check_hub_options, find_file, split_push_options, upload_folder
+from ._warnings import warn_at_caller
 from .diffusion.decoding import DiffusionGenerationConfig, confidence, without_mask_token
 
 GRAPH_FORMAT_VERSION = 1
@@ -40,6 +41,8 @@ GRAPH_FILE = "spiffy_graph.json"
 ROOT = -1  # parent id of the nodes one step ahead of the current state
 
 Formula = tuple[tuple[int, int], ...]  # sorted (position rank i, token rank j) pairs
+# what `repr(graph)` shows of its calibration: the model and the decoding settings its drafts were learned under
+CALIBRATION_SUMMARY = ("model", "cache", "threshold", "steps_per_block", "remasking", "temperature")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -174,15 +177,48 @@ class DraftGraph:
             return upload_folder(Path(folder), repo_id, commit_message, **upload)
 
     def check_compatible(self, config: DiffusionGenerationConfig, vocab_size: int | None = None) -> None:
+        """Refuse decoding the graph cannot draft for (another block length, a smaller vocabulary); warn where its
+        recorded calibration settings differ from `config`'s (`calibration_differences`)."""
         if vocab_size is not None and self.max_token_rank >= vocab_size:
             raise ValueError(f"This Spiffy graph uses token rank {self.max_token_rank}, but the model has {vocab_size} "
                              "tokens: it was calibrated for another model; recalibrate it for this one.")
         if config.block_length != self.block_length:
             raise ValueError(
                 f"This Spiffy graph was calibrated for block_length={self.block_length}, but decoding uses "
-                f"block_length={config.block_length}. Decode with block_length={self.block_length} or calibrate a "
-                f"graph for {config.block_length} (`hf-specdiff calibrate --block-length {config.block_length}`)."
+                f"block_length={config.block_length}. Decode with block_length={self.block_length} (on the command "
+                f"line: --block-length {self.block_length}) or calibrate a graph for {config.block_length} "
+                f"(`hf-specdiff calibrate --block-length {config.block_length}`)."
             )
+        if differences := self.calibration_differences(config):
+            # Spiffy takes a draft only where it equals the real next state, so a graph learned under other settings
+            # costs accepted drafts (forwards saved), never correctness: a warning, not a refusal
+            warn_at_caller(
+                f"This Spiffy graph was calibrated with other decoding settings ({', '.join(differences)}): its drafts "
+                "follow trajectories of that decoding, so fewer of them may be accepted here (Spiffy stays as lossless "
+                "as with a matching graph). For more forwards saved, calibrate a graph with these settings "
+                "(`hf-specdiff calibrate` with the same --cache, --threshold, --steps, --remasking and --temperature)."
+            )
+
+    def calibration_differences(self, config: DiffusionGenerationConfig) -> list[str]:
+        """The decoding settings the graph recorded at calibration that `config` does not share, as "name: recorded
+        value (graph) vs value (now)"; settings it did not record (a graph built by hand) are not compared."""
+        now = {"cache": config.cache, "threshold": config.threshold, "steps_per_block": config.steps_per_block,
+               "remasking": config.remasking, "temperature": config.temperature}
+        return [f"{name}: {self.calibration[name]!r} (graph) vs {value!r} (now)" for name, value in now.items()
+                if name in self.calibration and self.calibration[name] != value]
+
+    def __repr__(self) -> str:  # the dataclass's would print every node
+        settings = {name: self.calibration[name] for name in CALIBRATION_SUMMARY if name in self.calibration}
+        shown = "".join(f", {name}={value!r}" for name, value in settings.items())
+        return f"DraftGraph({len(self)} nodes, depth {self.depth}, block_length={self.block_length}{shown})"
+
+    @property
+    def depth(self) -> int:
+        """Steps ahead of the current state that the deepest node lies (a node one step ahead has depth 1)."""
+        depth = []
+        for parents in self.parents:  # topological order: a node's parents come before it
+            depth.append(1 + max((0 if p == ROOT else depth[p] for p in parents), default=0))
+        return max(depth, default=0)
 
     # -- index tensors for vectorised drafting ------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ import json
 import math
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -174,7 +175,9 @@ def read_sequences(paths: list[str], max_seq_len: int, min_answer_tokens: int = 
                 prompt, answer = list(row["prompt_ids"]), list(row["response_ids"])
             except (json.JSONDecodeError, KeyError, TypeError) as error:
                 raise ValueError(
-                    f"{path}:{number} is not a distill row with `prompt_ids` and `response_ids` ({error})."
+                    f"{path}:{number} is not a distill row with `prompt_ids` and `response_ids` ({error!r}): "
+                    "training reads the target's own answers, which `hf-specdiff distill --sources YOUR_PROMPTS.jsonl` "
+                    "writes from your prompts."
                 ) from error
             ids = (prompt + answer)[:max_seq_len]
             if any(type(t) is not int for t in prompt + answer):  # 1.7 would be read as 1, "5" would crash later
@@ -261,6 +264,13 @@ def weighted_tv(logits, target_probs, labels, weights):
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _drop_target_weights(state_dict, prefix, *_):
+    """Checkpoints written before the target's embedding and lm_head were left out hold them: they resume, those
+    weights coming from the target as in any other run."""
+    for key in [k for k in state_dict if k.startswith((f"{prefix}embed.", f"{prefix}lm_head."))]:
+        del state_dict[key]
+
+
 class SpeculatorTrainer(nn.Module):
     """The trainable speculator and the frozen target; `forward(batch)` (= `losses`) is one forward of everything.
 
@@ -273,8 +283,11 @@ class SpeculatorTrainer(nn.Module):
         # Not a submodule: the wrapper would broadcast its weights and checkpoints would copy them; it is not trained.
         object.__setattr__(self, "target", target.eval().requires_grad_(False))
         self.config = config
-        self.embed = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
+        # Nor are its embedding and lm_head, which the drafter reads: frozen, they would only add the target's
+        # vocabulary matrices to every checkpoint (113 MB for SmolLM2-135M, and accelerate's warning of a tied one).
+        object.__setattr__(self, "embed", target.get_input_embeddings())
+        object.__setattr__(self, "lm_head", target.get_output_embeddings())
+        self._register_load_state_dict_pre_hook(_drop_target_weights)  # as checkpoints of earlier versions hold them
 
     @torch.no_grad()
     def target_pass(self, ids, mask):
@@ -524,6 +537,9 @@ class StepPlan:
         latest = _latest_checkpoint(checkpoints)
         if latest is None:
             return 0
+        if (done := int(latest.name.split("-")[-1])) > self.max_steps:  # (equal: the run is complete, nothing to do)
+            raise ValueError(f"{latest} has trained {done} steps, more than max_steps={self.max_steps}: pass a larger "
+                             "max_steps to train on, or leave it as it was to keep the run as it is.")
         saved = json.loads((latest / self.FILE).read_text()) if (latest / self.FILE).is_file() else {}
         if saved.get("holdout_fingerprint", holdout_fingerprint) != holdout_fingerprint:
             raise ValueError(f"{latest} held out other rows than this run would (its seed, holdout seed, data, "
@@ -588,6 +604,10 @@ def start_run(config):
 
     plan = StepPlan(config.max_steps, config.warmup_steps, config.eval_every, config.save_every,
                     config.time_budget_minutes, agree=earliest)
+    if config.warmup_steps >= config.max_steps and config.time_budget_minutes is None:  # (a budget shortens it)
+        warnings.warn(f"warmup_steps={config.warmup_steps} is not below max_steps={config.max_steps}: the learning "
+                      f"rate rises for the whole run and never reaches learning_rate={config.learning_rate}. Pass "
+                      f"--warmup-steps below --max-steps (e.g. {max(1, config.max_steps // 10)}).", stacklevel=3)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     return plan, accelerator
@@ -610,20 +630,28 @@ def fingerprint(holdout: list[dict]) -> str:
     return hashlib.sha256(json.dumps([row["ids"] for row in holdout]).encode()).hexdigest()[:16]
 
 
-# kept in a checkpoint's optimizer and scheduler state, which a resumed run restores: a new value would not apply
-_OPTIMIZER_FIELDS = ("learning_rate", "weight_decay")
+# What a resumed run may set anew: how far it goes and how often it reports, where its files and data are read and
+# written, the hardware's precision, and the seed of the batches still to come (the held-out rows are checked apart:
+# `holdout_seed` keeps them). Any other setting shaped the checkpoint's parameters, its optimizer state (a new learning
+# rate would be ignored, yet recorded as used), or the batches and losses of the steps it has run, which the run's
+# train_config.json and model card describe as those of the whole run.
+_RESUMABLE_CHANGES = frozenset({"max_steps", "time_budget_minutes", "eval_every", "save_every", "log_file", "data",
+                                "output_dir", "mixed_precision", "seed", "holdout_seed"})
 
 
-def check_resumable(output_dir: Path, config, shaping_fields: tuple[str, ...]) -> None:
-    """Checkpoints in `output_dir` resume only under the settings that shaped their parameters and the optimizer
-    settings their state keeps (a changed learning rate would be ignored, yet recorded as used)."""
+def check_resumable(output_dir: Path, config, shaping_fields: tuple[str, ...] = ()) -> None:
+    """Checkpoints in `output_dir` resume only under the settings they were trained with (train_config.json), but
+    for `_RESUMABLE_CHANGES`; every other change is listed at once. `shaping_fields` are named first."""
     previous_file = output_dir / "train_config.json"
     previous = json.loads(previous_file.read_text()) if previous_file.is_file() else {}
-    changed = {name: (previous[name], getattr(config, name)) for name in (*shaping_fields, *_OPTIMIZER_FIELDS)
-               if name in previous and hasattr(config, name) and previous[name] != getattr(config, name)}
+    names = [*shaping_fields, *(name for name in previous if name not in shaping_fields)]
+    changed = {name: (previous[name], getattr(config, name)) for name in names
+               if name in previous and name not in _RESUMABLE_CHANGES and hasattr(config, name)
+               and previous[name] != getattr(config, name)}
     if changed:
-        raise ValueError(f"{output_dir}/checkpoints were trained with other settings (before, now): {changed}. Use "
-                         "a new output_dir, or delete the checkpoints to start over.")
+        raise ValueError(f"{output_dir}/checkpoints were trained with other settings (before, now): {changed}. Resume "
+                         f"with the settings in {previous_file} (only {', '.join(sorted(_RESUMABLE_CHANGES))} may "
+                         "change), use a new output_dir, or delete the checkpoints to start over.")
 
 
 def write_run_config(output_dir: Path, config) -> Path:

@@ -158,6 +158,11 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
     if not continued:  # nothing to describe: refused rather than ignored
         with pytest.raises(SystemExit, match="did not start from one: drop it"):
             main(export + earlier)
+    # (before: into the run's own speculator/, which it then replaced; onto a file, a NotADirectoryError)
+    for wrong, message in [(run, "is the run folder or inside"), (run / "speculator", "is the run folder or inside"),
+                           (run / "checkpoints" / "x", "is the run folder or inside"), (template, "is a file")]:
+        with pytest.raises(SystemExit, match=f"--output .* {message}"):
+            main([*export[:3], "--output", str(wrong), *export[5:]])
     main(export + (earlier if continued else []))
     assert "4,500 GSM8K train questions" in (output / "README.md").read_text()  # the distill corpus, described
 
@@ -478,8 +483,10 @@ def test_a_speculator_warns_on_a_target_it_was_not_trained_for(tmp_path):
     target.to(torch.float64)
     other = hf_specdiff.enable(make_target(seed=1))
     prompt = torch.tensor([[3, 4, 5]])
-    with pytest.warns(UserWarning, match="trained for a target with other embeddings.*output is unchanged"):
+    with pytest.warns(UserWarning, match="trained for a target with other embeddings.*output is unchanged") as caught:
         out = other.generate(prompt, max_new_tokens=8, do_sample=False, assistant_model=loaded, speculation="dflash")
+    # attributed to the generate call above, not to a line of the library
+    assert {w.filename for w in caught if "other embeddings" in str(w.message)} == {__file__}
     assert torch.equal(out, other.generate(prompt, max_new_tokens=8, do_sample=False))
 
 

@@ -127,6 +127,7 @@ def test_a_base_model_without_a_chat_template_is_benched_on_plain_text(tmp_path,
     finally:
         hook.remove()
     assert result["environment"]["prompt_format"] == "plain text (no chat template)"
+    assert result["config"]["datasets"] == ["custom"]  # where the prompts came from (before: the unused default)
     assert base_tokenizer("Name three primary colours.")["input_ids"] in fed  # a prefill, the last row of its batch
     write_outputs(result, config)
     assert "prompts as plain text (the tokenizer has no chat template)" in (tmp_path / "out.md").read_text()
@@ -261,6 +262,8 @@ def test_bad_bench_inputs(tmp_path):
              '{"messages": "hi"}': "`messages` must be a non-empty list",
              '{"messages": []}': "`messages` must be a non-empty list",
              '{"messages": [{"role": "assistant", "content": "b"}]}': '`messages` has no turn with role "user"',
+             '{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}':
+                 r"content has \['image_url'\] parts; these prompts are text",
              '{"prompt": "ok"': "is not JSON"}
     for line, message in lines.items():
         bad.write_text('{"prompt": "fine"}\n' + line + "\n")
@@ -278,6 +281,11 @@ def test_bad_bench_inputs(tmp_path):
             {"role": "assistant", "content": "Blue."}]
     good.write_text(json.dumps({"messages": chat}) + "\n")
     assert load_prompts(BenchConfig(prompts=str(good))) == [("custom", chat[:4])]
+    # OpenAI's content parts (before: refused), a line apart as OpenAI-compatible servers join them
+    parts = [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "One word."}]
+    good.write_text(json.dumps({"messages": [{"role": "user", "content": parts}]}) + "\n")
+    assert load_prompts(BenchConfig(prompts=str(good))) == [
+        ("custom", [{"role": "user", "content": "Name a colour.\nOne word."}])]
     refused = {  # each before any model loads: run_bench is given no model
         "--limit must be >= 0": dict(limit=-1),
         "--temperature must be >= 0": dict(temperature=-0.5),

@@ -124,6 +124,72 @@ def test_diffusion_demo(tmp_path, capsys):
     assert printed.count("  yes") == 2 and "NO" not in printed
 
 
+def test_demo_checks_its_options_and_graph_before_loading_the_model(monkeypatch, capsys):
+    """Before: after loading the model and printing the prompt. The shipped graph was calibrated for blocks of 32."""
+    from hf_specdiff.diffusion import AutoDiffusionLM
+
+    monkeypatch.setattr(AutoDiffusionLM, "from_pretrained", lambda *a, **k: pytest.fail("the model loaded first"))
+    for flags, message in [(["--max-new-tokens", "20"], "max_new_tokens=20 must be a positive multiple of "
+                                                         "block_length=32"),
+                           (["--threshold", "1.5"], r"threshold must lie in \(0, 1\], got 1.5"),
+                           (["--block-length", "16", "--max-new-tokens", "32"],
+                            "calibrated for block_length=32.*on the command line: --block-length 32")]:
+        with pytest.raises(ValueError, match=message):
+            main(["demo", "--diffusion", "--device", "cpu", *flags])
+    assert capsys.readouterr().out == ""
+
+
+def tiny_dlm_without_tokenizer(folder, vocab_size=300):
+    """What `DiffusionLM.save_pretrained(folder)` alone writes: config and weights, no tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_specdiff.diffusion import DiffusionLM
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    DiffusionLM.from_causal_lm(base, mask_token_id=vocab_size - 1, shift_logits=True).save_pretrained(folder)
+    return base
+
+
+def test_a_model_folder_without_a_tokenizer_or_with_another_models_is_refused(tmp_path):
+    """Before: transformers' "Couldn't instantiate the backend tokenizer ... sentencepiece or tiktoken" for a folder
+    without a tokenizer (bench of a diffusion LM or of a causal LM, calibrate), and "IndexError: index out of range in
+    self" deep in the first forward for a tokenizer whose ids the model has no embedding for."""
+    import hf_specdiff
+
+    base = tiny_dlm_without_tokenizer(tmp_path / "dlm")
+    base.save_pretrained(tmp_path / "causal")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "What is 2 + 3?"}\n')
+    prompts = ["--prompts", str(tmp_path / "prompts.jsonl"), "--limit", "1"]
+    saved_alone = "holds no tokenizer .* save the model's tokenizer into that folder \\(tokenizer.save_pretrained"
+    with pytest.raises(OSError, match=f"dlm {saved_alone}.*\\)\\.$"):
+        main(["bench", "--target", str(tmp_path / "dlm"), "--methods", "steps", "--max-new-tokens", "32", *prompts])
+    with pytest.raises(OSError, match=f"causal {saved_alone}.*\\)\\.$"):
+        main(["bench", "--target", str(tmp_path / "causal"), "--methods", "ar", *prompts])
+    with pytest.raises(OSError, match=f"dlm {saved_alone}.*, or pass --tokenizer"):
+        main(["calibrate", "--model", str(tmp_path / "dlm"), *prompts])
+    shipped = str(hf_specdiff.default_diffusion_lm_path())  # SmolLM2's tokenizer: 49152 tokens
+    with pytest.raises(ValueError, match="tokenizer of .* writes token id [0-9]+, but the model has 300 tokens: pass "
+                       "the tokenizer the model was trained with"):
+        main(["calibrate", "--model", str(tmp_path / "dlm"), "--tokenizer", shipped, "--max-new-tokens", "32",
+              "--output", str(tmp_path / "graph"), *prompts])
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(shipped).save_pretrained(tmp_path / "dlm")
+    with pytest.raises(ValueError, match="tokenizer writes token id [0-9]+, but the diffusion LM has 300 tokens"):
+        main(["bench", "--target", str(tmp_path / "dlm"), "--methods", "steps", "--max-new-tokens", "32", *prompts])
+
+
+def test_a_draft_graph_without_a_spiffy_method_is_refused():
+    """As other options no method uses are (--block-length with autoregressive methods): before, ignored."""
+    from hf_specdiff.bench_diffusion import run_diffusion_bench
+
+    with pytest.raises(ValueError, match=r"^--draft-graph g \(spiffy, spiffy_threshold\): no method in --methods "
+                       r"\['steps', 'threshold'\] uses it. Add such a method or drop the option."):
+        run_diffusion_bench(BenchConfig(methods=["steps", "threshold"], draft_graph="g"))
+
+
 def test_accuracy_scorers():
     assert score("gsm8k", {"answer": "... #### 1,234"}, "So the total is 1234.")
     assert not score("gsm8k", {"answer": "#### 18"}, "She makes 16 dollars, then 2 more: 19")

@@ -165,6 +165,24 @@ def test_calibrate_reads_its_prompts_before_loading_the_model(tmp_path):
         main(missing_model + ["--num-nodes", "0"])
 
 
+def test_calibrate_defaults_to_the_shipped_diffusion_lm(tmp_path, monkeypatch):
+    """As bench and demo --diffusion do; before, "--model is required" (without the usual `hf-specdiff:` form)."""
+    import hf_specdiff
+    from hf_specdiff.diffusion import AutoDiffusionLM
+
+    class Loaded(Exception):
+        pass
+
+    def load(path, **_):
+        raise Loaded(str(path))
+
+    assert parse_args(["calibrate"]).model is None
+    monkeypatch.setattr(AutoDiffusionLM, "from_pretrained", load)
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "Hi"}\n')
+    with pytest.raises(Loaded, match=f"^{hf_specdiff.default_diffusion_lm_path()}$"):
+        main(["calibrate", "--prompts", str(tmp_path / "prompts.jsonl")])
+
+
 def test_calibrate_takes_no_option_it_would_ignore(capsys):
     """Calibration records ordinary decoding: Spiffy's --max-drafts belongs to the bench and generate."""
     assert parse_args(["bench", "--max-drafts", "3"]).max_drafts == 3

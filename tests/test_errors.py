@@ -196,6 +196,11 @@ def test_unknown_method(target, speculator):
         target.generate(PROMPT, assistant_model=speculator, speculation="medusa")
 
 
+def test_spiffy_asked_of_a_causal_lm_points_to_the_diffusion_lms(target, speculator):
+    with pytest.raises(ValueError, match="Spiffy, for masked diffusion LMs: load one with hf_specdiff.AutoDiffusionLM"):
+        target.generate(PROMPT, assistant_model=speculator, speculation="spiffy")
+
+
 def test_assistant_must_be_a_speculator(target):
     with pytest.raises(TypeError, match="AutoSpeculator.from_pretrained"):
         target.generate(PROMPT, assistant_model=make_target(), speculation="dflash")

@@ -220,7 +220,7 @@ def test_pruning_keeps_max_drafts_connected_nodes():
 
 
 def test_graph_errors(tmp_path):
-    with pytest.raises(ValueError, match="block_length=8.*block_length=16"):
+    with pytest.raises(ValueError, match="block_length=8.*block_length=16.*on the command line: --block-length 8"):
         DraftGraph(nodes=[((0, 0),)], parents=[[-1]], block_length=8).check_compatible(config(block_length=16))
     data = DraftGraph(nodes=[((0, 0),)], parents=[[-1]], block_length=8).to_dict()
     with pytest.raises(ValueError, match="format_version 99"):
@@ -307,6 +307,65 @@ def test_generate_integration_and_errors(tmp_path):
             unenabled.generate(prompt, **options)
 
 
+def test_a_graph_calibrated_for_other_decoding_settings_warns_at_the_callers_line():
+    """Spiffy takes a draft only where it equals the real next state, so a graph calibrated under other settings costs
+    accepted drafts, never correctness: a warning (not a refusal) naming the settings that differ, attributed to the
+    user's call, as is the near-lossless warning of a non-dual cache (not to hf_specdiff's own lines)."""
+    import warnings
+
+    model = hf_specdiff.enable(tiny_dlm())
+    prompt = prompts(1)[0]
+    graph = calibrate(model, prompts(3), config(cache="dual"), progress=False)
+    options = dict(max_new_tokens=16, block_length=8, stop_at_eos=False, speculation="spiffy", draft_graph=graph)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the settings it was calibrated with: quiet
+        model.generate(prompt, cache="dual", **options)
+    with pytest.warns(UserWarning, match=r"calibrated with other decoding settings \(threshold: None \(graph\) vs "
+                      r"0.5 \(now\)\).*fewer of them may be accepted") as caught:
+        out = model.generate(prompt, cache="dual", threshold=0.5, **options)
+    assert torch.equal(out, diffusion_generate(model, prompt, config=config(cache="dual", threshold=0.5)).sequences)
+    with warnings.catch_warnings(record=True) as prefix:
+        warnings.simplefilter("always")
+        model.generate(prompt, cache="prefix", **options)
+    assert ["near-lossless only" in str(w.message) for w in prefix] == [True, False]  # and the graph's, for prefix
+    with pytest.warns(UserWarning, match=r"cache: 'dual' \(graph\) vs 'none' \(now\), steps_per_block: 8 \(graph\) "
+                      r"vs 4 \(now\)") as direct:
+        diffusion_generate(model, prompt, config=config(steps=8), draft_graph=graph)
+    assert {w.filename for w in [*caught, *prefix, *direct]} == {__file__}
+
+
+def test_prompt_token_ids_outside_the_vocabulary_are_refused():
+    """Before: "IndexError: index out of range in self" deep in the forward. Padding is not read (the canvas holds
+    mask tokens there), so its ids are not checked."""
+    model = hf_specdiff.enable(tiny_dlm())
+    for ids, token in ((torch.tensor([[5, 64]]), 64), (torch.tensor([[-1, 5]]), -1)):
+        with pytest.raises(ValueError, match=f"token id {token}, outside the model's vocabulary \\(64 tokens, ids 0 "
+                           "to 63\\): tokenize the prompt with the model's own"):
+            model.generate(ids, max_new_tokens=16, block_length=8)
+    padded = diffusion_generate(model, torch.tensor([[99, 5, 6]]), torch.tensor([[0, 1, 1]]), config=config())
+    assert torch.equal(padded.sequences[:, 3:], diffusion_generate(model, torch.tensor([[5, 6]]),
+                                                                   config=config()).sequences[:, 2:])
+
+
+def test_adapter_options_are_checked_when_it_is_built_and_a_graph_prints_short():
+    llama = make_target(vocab_size=64)
+    adapter = DiffusionAdapter(llama, mask_token_id=torch.tensor(63))  # e.g. read out of a tensor of token ids
+    assert type(adapter.mask_token_id) is int and adapter.mask_token_id == 63
+    for wrong in (torch.tensor([63]), torch.tensor(63.0), 63.0, True):
+        with pytest.raises(TypeError, match="mask_token_id must be a Python int"):
+            DiffusionAdapter(llama, mask_token_id=wrong)
+    with pytest.raises(ValueError, match="block-causal model with shifted logits is not supported"):
+        DiffusionAdapter(llama, mask_token_id=63, shift_logits=True, block_causal=True)
+    graph = DraftGraph(nodes=[((0, 0),), ((0, 0), (1, 0)), ((0, 1),)], parents=[[-1], [0], [-1]], block_length=8,
+                       calibration={"model": "dlm", "cache": "dual", "threshold": None, "prompts": 50})
+    assert repr(graph) == "DraftGraph(3 nodes, depth 2, block_length=8, model='dlm', cache='dual', threshold=None)"
+
+
+def test_the_shipped_graph_records_the_model_folder_it_ships_in():
+    folder = hf_specdiff.default_diffusion_lm_path()
+    assert DraftGraph.from_pretrained(folder).calibration["model"] == folder.name == "smollm2-135m-instruct"
+
+
 def test_spiffy_takes_prompts_of_any_integer_dtype():
     model = tiny_dlm(shift_logits=True)
     graph = calibrate(model, prompts(3, seed=7), config(cache="dual"), num_nodes=16, progress=False)
@@ -360,6 +419,7 @@ def test_calibrate_command_on_real_prompts(tmp_path):
           "--max-new-tokens", "16", "--block-length", "8", "--cache", "dual", "--num-nodes", "8"])
     graph = DraftGraph.from_pretrained(tmp_path / "graph")
     assert 0 < len(graph) <= 8 and graph.calibration["datasets"] == ["math500", "mbpp"]
+    assert graph.calibration["model"] == "dlm"  # a local folder by its name, not by this machine's path
     model = hf_specdiff.enable(AutoDiffusionLM.from_pretrained(tmp_path / "dlm"))
     ids = tokenizer("def add(a, b):", return_tensors="pt")["input_ids"]
     options = dict(max_new_tokens=16, block_length=8, cache="dual")

@@ -63,8 +63,17 @@ def test_loss_goes_down_and_artifact_loads(tmp_path, target):
 
 
 def test_resume_continues_from_the_last_checkpoint(tmp_path, target):
+    from safetensors.torch import load_file, save_file
+
     data = write_distill(tmp_path / "distill.jsonl", target, rows=12)
     train(tiny_config(tmp_path, data, max_steps=20, save_every=20), target=target, progress=False)
+    # the frozen target's embedding and lm_head are not checkpointed (before: a copy in each); a checkpoint written
+    # with them, as earlier versions did, still resumes
+    weights = tmp_path / "run" / "checkpoints" / "checkpoint-20" / "model.safetensors"
+    saved = load_file(weights)
+    assert all(key.startswith("speculator.") for key in saved), sorted(saved)[:3]
+    save_file({**saved, "embed.weight": target.get_input_embeddings().weight.detach().clone(),
+               "lm_head.weight": target.get_output_embeddings().weight.detach().clone()}, weights)
     train(tiny_config(tmp_path, data, max_steps=30, eval_every=10, save_every=10), target=target, progress=False)
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "log.jsonl").open()]
     assert steps == list(range(1, 31))
@@ -77,9 +86,16 @@ def test_bad_data_fails_before_the_target_loads(tmp_path, monkeypatch):
                         lambda *_, **__: pytest.fail("the target loaded before the data was read"))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         train(tiny_config(tmp_path, tmp_path / "missing.jsonl"), progress=False)
-    (tmp_path / "broken.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
-    with pytest.raises(ValueError, match="broken.jsonl:1 is not a distill row"):
+    (tmp_path / "broken.jsonl").write_text('{"prompt_ids": [1, 2]}\n')  # (a prompts file: distill it first)
+    with pytest.raises(ValueError, match="broken.jsonl:1 is not a distill row .*'response_ids'.*`hf-specdiff distill "):
         train(tiny_config(tmp_path, tmp_path / "broken.jsonl"), progress=False)
+
+
+def test_a_warm_up_the_run_never_finishes_is_warned_of(tmp_path, target):
+    """Before: a short run under the default warm-up (50 steps) never reached its learning rate, without a word."""
+    data = write_distill(tmp_path / "distill.jsonl", target, rows=12)
+    with pytest.warns(UserWarning, match="warmup_steps=5 is not below max_steps=3: .* never reaches learning_rate"):
+        train(tiny_config(tmp_path, data, max_steps=3, save_every=3), target=target, progress=False)
 
 
 def test_bad_inputs_fail_before_training(tmp_path, target):
@@ -151,15 +167,23 @@ def test_resume_refuses_other_held_out_rows_or_shape(tmp_path, target):
     data = write_distill(tmp_path / "distill.jsonl", target, rows=12)
     config = tiny_config(tmp_path, data, max_steps=2, save_every=2)
     train(config, target=target, progress=False)
+    recorded = (tmp_path / "run" / "train_config.json").read_text()
     for options, message in [(dict(seed=5, max_steps=4), "held out other rows"),
-                             (dict(holdout_sequences=3, max_steps=4), "held out other rows"),
+                             (dict(holdout_sequences=3, max_steps=4), r"'holdout_sequences': \(4, 3\)"),
                              (dict(block_size=4, max_steps=4), r"other settings .*'block_size': \(8, 4\)"),
                              (dict(draft_vocab_size=6, max_steps=4), r"'draft_vocab_size': \(None, 6\)"),
                              # restored with the optimizer's state: a new value would be recorded, not used
                              (dict(learning_rate=0.5, weight_decay=0.3, max_steps=4),
-                              r"'learning_rate': \(0.003, 0.5\), 'weight_decay': \(0.0, 0.3\)")]:
+                              r"'learning_rate': \(0.003, 0.5\), 'weight_decay': \(0.0, 0.3\)"),
+                             # the steps run so far were of other batches and losses than the record would then say;
+                             # every change is listed at once (before: one, or none, the record rewritten)
+                             (dict(batch_size=2, anchors_per_sequence=3, gamma=2.0, warmup_steps=1, max_steps=4),
+                              r"(?=.*'batch_size': \(4, 2\))(?=.*'anchors_per_sequence': \(6, 3\))(?=.*'gamma': "
+                              r"\(7.0, 2.0\))(?=.*'warmup_steps': \(5, 1\)).*only .*max_steps.* may change"),
+                             (dict(max_steps=1), r"has trained 2 steps, more than max_steps=1")]:
         with pytest.raises(ValueError, match=message):
             train(dataclasses.replace(config, **options), target=target, progress=False)
+    assert (tmp_path / "run" / "train_config.json").read_text() == recorded  # as it was
     train(dataclasses.replace(config, seed=5, holdout_seed=0, max_steps=3), target=target, progress=False)
 
 

@@ -39,8 +39,16 @@ class DiffusionAdapter(nn.Module):
                  supports_kv: bool = True):
         super().__init__()
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        if not isinstance(mask_token_id, int) or mask_token_id < 0 or (vocab is not None and mask_token_id >= vocab):
+        if torch.is_tensor(mask_token_id) and mask_token_id.dim() == 0 and not mask_token_id.is_floating_point() \
+                and mask_token_id.dtype != torch.bool:  # e.g. tokenizer(...)["input_ids"][0, 0]
+            mask_token_id = int(mask_token_id)
+        if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int):
+            raise TypeError(f"mask_token_id must be a Python int (a token id of the model), got "
+                            f"{type(mask_token_id).__name__} {mask_token_id!r}; pass int(...) of it.")
+        if mask_token_id < 0 or (vocab is not None and mask_token_id >= vocab):
             raise ValueError(f"mask_token_id={mask_token_id!r} must be a token id of the model (0 <= id < {vocab}).")
+        if shift_logits and block_causal:  # what decoding refuses too (DiffusionGenerationConfig.validate)
+            raise ValueError("A block-causal model with shifted logits is not supported; set one of them off.")
         self.model = model
         self.mask_token_id, self.shift_logits, self.block_causal = mask_token_id, shift_logits, block_causal
         self.supports_kv = supports_kv

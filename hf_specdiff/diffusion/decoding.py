@@ -33,10 +33,11 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import warnings
 from dataclasses import dataclass, field
 
 import torch
+
+from .._warnings import warn_at_caller
 
 REMASKING_RULES = ("low_confidence", "margin", "entropy", "random")
 CACHE_MODES = ("none", "prefix", "dual", "block")
@@ -67,7 +68,9 @@ class DiffusionGenerationConfig:
     max_drafts: int = field(default=8, metadata={"help": (
         "Spiffy: drafts verified per forward after dynamic pruning (D*)")})
 
-    def validate(self, model) -> None:
+    def validate(self, model=None) -> None:
+        """Refuse options that no decoding takes, and with `model`, those this model cannot decode with (model None:
+        the options alone, checked before a model loads)."""
         for name in ("max_new_tokens", "block_length", "steps", "seed", "max_drafts"):
             value = getattr(self, name)
             if not (value is None and name == "steps") and (isinstance(value, bool) or not isinstance(value, int)):
@@ -107,6 +110,10 @@ class DiffusionGenerationConfig:
                              "scores positions otherwise. Use remasking='low_confidence' or 'margin' with it.")
         if self.cache not in CACHE_MODES:
             raise ValueError(f"cache={self.cache!r} is not supported; choose one of {CACHE_MODES}.")
+        if self.max_drafts < 1:
+            raise ValueError(f"max_drafts must be >= 1, got {self.max_drafts}.")
+        if model is None:
+            return
         if self.cache == "block" and not model.block_causal:
             raise ValueError(
                 "cache='block' commits finished blocks, which is only valid for a block-causal model (SDAR); "
@@ -119,8 +126,6 @@ class DiffusionGenerationConfig:
                 f"cache={self.cache!r} needs a model that returns and reuses key/values; this adapter does not. "
                 "Use cache='none', or wrap a model that implements the DiffusionLM forward contract."
             )
-        if self.max_drafts < 1:
-            raise ValueError(f"max_drafts must be >= 1, got {self.max_drafts}.")
 
     @property
     def steps_per_block(self) -> int:
@@ -397,6 +402,11 @@ def diffusion_generate(
     config = config or DiffusionGenerationConfig()
     config.validate(model)
     _check_prompt(input_ids, attention_mask)
+    if (token := out_of_vocabulary(input_ids, attention_mask, model)) is not None:
+        raise ValueError(
+            f"input_ids hold token id {token}, outside the model's vocabulary ({model.config.vocab_size} tokens, ids 0 "
+            f"to {model.config.vocab_size - 1}): tokenize the prompt with the model's own tokenizer."
+        )
     if draft_graph is not None:
         draft_graph.check_compatible(config, getattr(model.config, "vocab_size", None))
         if recorder is not None:  # drafts take steps without an ordinary forward, which the recorder would miss
@@ -479,6 +489,17 @@ def _check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) 
                          "tokenizer.padding_side = 'left'.")
 
 
+def out_of_vocabulary(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, model) -> int | None:
+    """A prompt token id (padding aside: the canvas holds mask tokens there) that the model has no embedding for, or
+    None. Caught here, it would fail deep in the forward as "IndexError: index out of range in self"."""
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab_size is None:
+        return None
+    ids = input_ids if attention_mask is None else input_ids[attention_mask.bool()]
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    return int(outside[0]) if len(outside) else None
+
+
 def _eos_ids(model, eos_token_id, device):
     ids = eos_token_id if eos_token_id is not None else getattr(model.config, "eos_token_id", None)
     if ids is None:
@@ -553,11 +574,10 @@ def diffusion_lm_generate(model, input_ids=None, attention_mask=None, *, specula
         if not isinstance(draft_graph, DraftGraph):
             draft_graph = DraftGraph.from_pretrained(draft_graph)
         if not config.is_exact_for(model):
-            warnings.warn(
+            warn_at_caller(
                 f"Spiffy with cache={config.cache!r} on a bidirectional model is near-lossless only: its drafts see "
                 "keys and values computed with the real block, so its output can differ from ordinary decoding's "
-                "(out.exact is False). Use cache='dual' for output identical to ordinary dual-cache decoding.",
-                stacklevel=2,
+                "(out.exact is False). Use cache='dual' for output identical to ordinary dual-cache decoding."
             )
     elif draft_graph is not None or "max_drafts" in options:
         option = "draft_graph=" if draft_graph is not None else "max_drafts="

@@ -45,7 +45,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .._attention import grouped_query_attention
-from .._hub import SAVED_FOLDER, check_folder_or_repo_id, find_file, take_dtype
+from .._hub import SAVED_FOLDER, check_folder_or_repo_id, check_tokenizer_folder, find_file, take_dtype
 from .decoding import generate_before_enable
 
 OUR_MODEL_TYPE = "hf_specdiff_diffusion_lm"
@@ -629,7 +629,9 @@ class AutoDiffusionLM:
 
 def load_tokenizer(path_or_repo_id: str | os.PathLike, **kwargs):
     """The tokenizer saved beside a diffusion LM. transformers' Auto classes do not know our config.json's
-    model_type, so the tokenizer is loaded without consulting it."""
+    model_type, so the tokenizer is loaded without consulting it. A local folder without one (a model saved with
+    `save_pretrained` alone) raises an OSError that says so."""
     from transformers import AutoTokenizer, PreTrainedConfig
 
+    check_tokenizer_folder(Path(path_or_repo_id, kwargs.get("subfolder") or ""), "diffusion LM")
     return AutoTokenizer.from_pretrained(path_or_repo_id, config=PreTrainedConfig(), **kwargs)
