@@ -521,18 +521,25 @@ def check_ar_options(config: BenchConfig) -> None:
 _AR_OPTIONS = ("jacobi_passes", "num_draft_tokens", "compile", "speculator")
 
 
+# diffusion options that some methods read only: set for a run of none of them, they would be ignored
+_DIFFUSION_METHOD_OPTIONS = {"draft_graph": ("spiffy", "spiffy_threshold"),
+                             "max_drafts": ("spiffy", "spiffy_threshold"),
+                             "threshold": ("threshold", "spiffy_threshold")}
+
+
 def check_diffusion_options(config: BenchConfig) -> None:
-    """Autoregressive-bench options set for a run of diffusion methods, which none of them uses, and a draft graph
-    given to a run without a Spiffy method."""
+    """Autoregressive-bench options set for a run of diffusion methods, which none of them uses, and the options of
+    some diffusion methods (a draft graph, Spiffy's drafts, the unmasking threshold) set for a run without them."""
     defaults = BenchConfig()
     if changed := [name for name in _AR_OPTIONS if getattr(config, name) != getattr(defaults, name)]:
         raise ValueError(
             f"{', '.join('--' + name.replace('_', '-') for name in changed)}: the diffusion methods "
             f"{list(config.methods)} do not use it (the speculative methods do: ar, dflash, xpress, ...). Drop it."
         )
-    if config.draft_graph is not None and not any(method.startswith("spiffy") for method in config.methods):
-        raise ValueError(f"--draft-graph {config.draft_graph} (spiffy, spiffy_threshold): no method in --methods "
-                         f"{list(config.methods)} uses it. Add such a method or drop the option.")
+    for name, readers in _DIFFUSION_METHOD_OPTIONS.items():
+        if getattr(config, name) != getattr(defaults, name) and not set(readers) & set(config.methods):
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(config, name)} ({', '.join(readers)}): no method in "
+                             f"--methods {list(config.methods)} uses it. Add such a method or drop the option.")
 
 
 def generate_kwargs(config: BenchConfig) -> dict:

@@ -182,12 +182,18 @@ def test_a_model_folder_without_a_tokenizer_or_with_another_models_is_refused(tm
 
 
 def test_a_draft_graph_without_a_spiffy_method_is_refused():
-    """As other options no method uses are (--block-length with autoregressive methods): before, ignored."""
+    """As other options no method uses are (--block-length with autoregressive methods): before, ignored. So are
+    Spiffy's --max-drafts and the unmasking --threshold."""
     from hf_specdiff.bench_diffusion import run_diffusion_bench
 
     with pytest.raises(ValueError, match=r"^--draft-graph g \(spiffy, spiffy_threshold\): no method in --methods "
                        r"\['steps', 'threshold'\] uses it. Add such a method or drop the option."):
         run_diffusion_bench(BenchConfig(methods=["steps", "threshold"], draft_graph="g"))
+    with pytest.raises(ValueError, match=r"^--max-drafts 4 \(spiffy, spiffy_threshold\): no method"):
+        run_diffusion_bench(BenchConfig(methods=["steps", "threshold"], max_drafts=4))
+    with pytest.raises(ValueError, match=r"^--threshold 0.5 \(threshold, spiffy_threshold\): no method in --methods "
+                       r"\['steps', 'spiffy'\]"):
+        run_diffusion_bench(BenchConfig(methods=["steps", "spiffy"], threshold=0.5))
 
 
 def test_accuracy_scorers():
