@@ -218,19 +218,26 @@ def _text_content(where: str, content) -> str:
                      f'string values (or lists of {{"type": "text", "text": ...}} parts); got content {content!r:.80}.')
 
 
+def row_prompt(where: str, row) -> str | list[dict]:
+    """What a prompts file's row (line `where`) asks: its `prompt` string, or its `messages` as `chat_prompt` reads
+    them; exactly one of the two."""
+    if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+        raise ValueError(f"{where} needs exactly one of a `prompt` string or a `messages` list, e.g. "
+                         '{"prompt": "Hi"} or {"messages": [{"role": "user", "content": "Hi"}]}.')
+    if "messages" in row:
+        return chat_prompt(where, row["messages"])
+    if not isinstance(row["prompt"], str):
+        raise ValueError(f"{where}: `prompt` must be a string, got {type(row['prompt']).__name__}.")
+    return row["prompt"]
+
+
 def read_prompts_file(path: str) -> list[dict]:
     """The rows of a --prompts file: one JSON object per line with a `prompt` string or a `messages` list of
-    {"role", "content"} dicts (not both; see `chat_prompt`); a bad line is named by file:line."""
+    {"role", "content"} dicts (`row_prompt`); a bad line is named by file:line."""
     rows = []
     for _, where, row in json_lines(path, '{"prompt": "Hi"}'):
-        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
-            raise ValueError(f"{where} needs exactly one of a `prompt` string or a `messages` list, e.g. "
-                             '{"prompt": "Hi"} or {"messages": [{"role": "user", "content": "Hi"}]}.')
-        if "prompt" in row and not isinstance(row["prompt"], str):
-            raise ValueError(f"{where}: `prompt` must be a string, got {type(row['prompt']).__name__}.")
-        if "messages" in row:
-            row = {**row, "messages": chat_prompt(where, row["messages"])}
-        rows.append(row)
+        prompt = row_prompt(where, row)
+        rows.append({**row, "messages": prompt} if isinstance(prompt, list) else row)
     if not rows:
         raise ValueError(f"--prompts {path} holds no prompts.")
     return rows

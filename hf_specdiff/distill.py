@@ -97,19 +97,12 @@ def read_prompt_file(path: str) -> list[tuple[str, Prompt]]:
     """[(id, prompt)] from a JSONL file of {"prompt": "..."} or {"messages": [...]} rows with an optional "id"; a row
     without an id gets `<file stem>-<line number>`, so a rerun on the same file finds the same ids and resumes. A bad
     line is named by file:line. (bench's `read_prompts_file` drops the line numbers these ids are made of, hence this
-    reader; both read `messages` with `chat_prompt`.)"""
-    from .bench import chat_prompt, json_lines
+    reader; both read a row with `row_prompt`.)"""
+    from .bench import json_lines, row_prompt
 
     found = []
     for number, where, row in json_lines(path, '{"id": "q1", "prompt": "Hi"}'):
-        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
-            raise ValueError(f"{where} needs exactly one of a `prompt` string or a `messages` list: write one JSON "
-                             'object per line, e.g. {"id": "q1", "prompt": "Hi"} or {"id": "c1", "messages": '
-                             '[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]} (the '
-                             "id is optional).")
-        if "prompt" in row and not isinstance(row["prompt"], str):
-            raise ValueError(f"{where}: `prompt` must be a string, got {type(row['prompt']).__name__}.")
-        prompt = row["prompt"] if "prompt" in row else chat_prompt(where, row["messages"])
+        prompt = row_prompt(where, row)
         found.append((str(row.get("id", f"{Path(path).stem}-{number}")), prompt))
     if not found:
         raise ValueError(f"--sources {path} holds no prompts: write one {{\"prompt\": ...}} JSON object per line.")
