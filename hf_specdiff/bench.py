@@ -86,6 +86,8 @@ class BenchConfig:
     target: str | None = field(default=None, metadata={"help": (
         "the target: local folder or Hub id; None: the embedded SmolLM2-135M-Instruct (diffusion methods: the "
         "diffusion LM shipped for it)")})
+    tokenizer: str | None = field(default=None, metadata={"help": (
+        "folder or Hub id of the target's tokenizer; None: the one saved with the target")})
     speculator: str | None = field(default=None, metadata={"help": (
         "a saved speculator's folder or Hub id; None: the speculator shipped for the embedded target")})
     device: str = field(default="cuda" if torch.cuda.is_available() else "cpu", metadata={"help": (
@@ -279,6 +281,20 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer("\n\n".join(message["content"] for message in messages))["input_ids"])
 
 
+# what a command that tokenizes prompts for a target says when its tokenizer is another model's
+TOKENIZER_REMEDY = "pass the target's own tokenizer (--tokenizer, a folder or Hub id holding it)."
+
+
+def check_prompt_vocabulary(prompts_ids, model, remedy: str) -> None:
+    """A prompt token id the model has no embedding for (the tokenizer is another model's) fails here, naming it and
+    what to do (`remedy`), not as "IndexError: index out of range in self" in the first forward."""
+    vocab_size = model.get_input_embeddings().num_embeddings
+    for ids in prompts_ids:
+        if outside := [token for token in ids if not 0 <= token < vocab_size]:
+            raise ValueError(f"The tokenizer writes token id {outside[0]}, but the target embeds {vocab_size:,} "
+                             f"tokens: {remedy}")
+
+
 def prompt_format(tokenizer) -> str:
     """How `prompt_ids` writes prompts for this tokenizer, for the results' environment."""
     return "chat template" if tokenizer.chat_template is not None else "plain text (no chat template)"
@@ -445,7 +461,14 @@ def load_models(config: BenchConfig, target=None, tokenizer=None, speculator=Non
     if target is None:
         from .embedded import load_target
 
-        target, tokenizer = load_target(config.target, dtype=dtype)
+        target, tokenizer = load_target(config.target, dtype=dtype, tokenizer=config.tokenizer)
+    elif tokenizer is None:
+        if config.tokenizer is None:
+            raise ValueError("A target given in memory needs its tokenizer: pass tokenizer= (or config.tokenizer, a "
+                             "folder or Hub id holding it).")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
     target = hf_specdiff.enable(target.to(config.device).eval())
     return target, tokenizer, speculator.to(device=config.device, dtype=dtype)
 
@@ -587,6 +610,7 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
     for dataset, messages in prompts:
         ids = torch.tensor([prompt_ids(tokenizer, messages)], device=config.device)
         encoded.append((dataset, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}))
+    check_prompt_vocabulary((inputs["input_ids"][0].tolist() for _, inputs in encoded), target, TOKENIZER_REMEDY)
     longest = max(inputs["input_ids"].shape[1] for _, inputs in encoded)
     runs = _method_runs(config, speculator, max_cache_len=longest + config.max_new_tokens)
     compiled = {}

@@ -37,6 +37,7 @@ import torch
 
 from .batching import left_pad, stop_and_pad_ids, until_stop
 from .bench import (
+    TOKENIZER_REMEDY,
     BenchConfig,
     _drafts_per_block,
     _environment,
@@ -44,6 +45,7 @@ from .bench import (
     _lossless_check,
     _method_runs,
     _sampling_check,
+    check_prompt_vocabulary,
     compile_note,
     generate_kwargs,
     load_models,
@@ -100,6 +102,7 @@ def run_batch_bench(config: BenchConfig, target=None, tokenizer=None, speculator
     target, tokenizer, speculator = load_models(config, target, tokenizer, speculator)
     stop_ids, pad = stop_and_pad_ids(target, tokenizer)
     encoded = [(dataset, prompt_ids(tokenizer, messages)) for dataset, messages in prompts]
+    check_prompt_vocabulary((ids for _, ids in encoded), target, TOKENIZER_REMEDY)
     runs = _method_runs(config, speculator, max(len(ids) for _, ids in encoded) + config.max_new_tokens)
     common = {**generate_kwargs(config), "pad_token_id": pad}
     sampling = config.temperature > 0

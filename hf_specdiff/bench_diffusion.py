@@ -125,6 +125,19 @@ def _decoding_configs(config) -> dict:
     return configs
 
 
+def _load_tokenizer(tokenizer: str | None, model: str | None):
+    """The tokenizer --tokenizer names, else the one saved beside the diffusion LM (a folder without one: an error
+    that names --tokenizer too)."""
+    from ._hub import check_folder_or_repo_id, check_tokenizer_folder
+    from .diffusion import load_tokenizer
+
+    if tokenizer is None:
+        check_tokenizer_folder(model, "diffusion LM", ", or pass --tokenizer (a folder or Hub id holding it)")
+        return load_tokenizer(model)
+    check_folder_or_repo_id(tokenizer, "tokenizer")
+    return load_tokenizer(tokenizer)
+
+
 def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_model=None,
                         progress: bool = True) -> dict:
     """Every diffusion method on every prompt of `config` (a BenchConfig); returns summary, by_dataset, records.
@@ -133,7 +146,7 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
 
     from .bench import NEAR_TIE_ULPS, _environment, prompt_ids, prompt_messages
     from .candidates import synchronize
-    from .diffusion import AutoDiffusionLM, diffusion_generate, load_tokenizer
+    from .diffusion import AutoDiffusionLM, diffusion_generate
     from .diffusion.adapter_weights import load_base, named_base
     from .diffusion.decoding import out_of_vocabulary
     from .spiffy import DraftGraph
@@ -151,13 +164,14 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
 
         if config.target is None:  # the one shipped for the embedded SmolLM2, as AR methods default to its speculator
             config = dataclasses.replace(config, target=str(default_diffusion_lm_path()))
-        tokenizer = load_tokenizer(config.target)  # first: a folder saved without its tokenizer fails at once
+        # first: a folder saved without its tokenizer fails at once
+        tokenizer = _load_tokenizer(config.tokenizer, config.target)
         model = AutoDiffusionLM.from_pretrained(config.target, dtype=dtype)
     if tokenizer is None:
-        if config.target is None:
-            raise ValueError("A diffusion LM given in memory needs its tokenizer: pass tokenizer= (or config.target, "
-                             "a folder the tokenizer can be read from).")
-        tokenizer = load_tokenizer(config.target)
+        if config.target is None and config.tokenizer is None:
+            raise ValueError("A diffusion LM given in memory needs its tokenizer: pass tokenizer= (or config.tokenizer "
+                             "or config.target, a folder or Hub id the tokenizer can be read from).")
+        tokenizer = _load_tokenizer(config.tokenizer, config.target)
     model = model.to(config.device).eval()
     configs = _decoding_configs(config)
     if base_model is None:
@@ -186,8 +200,8 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
     for _, _, ids in encoded:  # another model's tokenizer: said here, not as an IndexError in the first forward
         if (token := out_of_vocabulary(ids, None, model)) is not None:
             raise ValueError(f"The tokenizer writes token id {token}, but the diffusion LM has "
-                             f"{model.config.vocab_size} tokens: save the tokenizer the model was trained with into "
-                             "its folder (or pass it as tokenizer=).")
+                             f"{model.config.vocab_size} tokens: pass the tokenizer the model was trained with "
+                             "(--tokenizer, or tokenizer=).")
     eos = tokenizer.eos_token_id
     methods = measured_methods(config.methods)
 

@@ -488,7 +488,7 @@ def calibrate(args) -> None:
 
     import torch
 
-    from ._hub import can_only_be_a_path, check_tokenizer_folder
+    from ._hub import can_only_be_a_path, check_folder_or_repo_id, check_tokenizer_folder
     from .bench import BenchConfig, load_prompts, prompt_ids, torch_dtype
     from .diffusion import AutoDiffusionLM, DiffusionGenerationConfig, load_tokenizer
     from .diffusion.decoding import out_of_vocabulary
@@ -511,6 +511,8 @@ def calibrate(args) -> None:
                            {"datasets": options.datasets, "prompt_seed": options.prompt_seed, "limit": options.limit})
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # before the model loads: a folder saved without its tokenizer has a way out here
+    if options.tokenizer:
+        check_folder_or_repo_id(options.tokenizer, "tokenizer")
     check_tokenizer_folder(options.tokenizer or model_path, "diffusion LM",
                            "" if options.tokenizer else ", or pass --tokenizer (a folder or Hub id holding it)")
     model = AutoDiffusionLM.from_pretrained(model_path, dtype=dtype, device=device)

@@ -33,6 +33,8 @@ class DistillConfig:
         "JSONL file the answers are appended to; prompts already answered there are skipped (resumable)")})
     target: str | None = field(default=None, metadata={"help": (
         "the model that answers: local folder or Hub id; None: the embedded SmolLM2-135M-Instruct")})
+    tokenizer: str | None = field(default=None, metadata={"help": (
+        "folder or Hub id of the target's tokenizer; None: the one saved with the target")})
     data_dir: str | None = field(default=None, metadata={"help": (
         "folder holding gsm8k/train.jsonl; None: $HF_SPECDIFF_DATA, else ./shared/data or ../shared/data")})
     limit: int = field(default=1000, metadata={"help": "prompts per source (0: all)"})
@@ -172,7 +174,7 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
     goes through the target's chat template, or, for a base model without one, is its plain text."""
     from tqdm.auto import tqdm
 
-    from .bench import prompt_ids
+    from .bench import TOKENIZER_REMEDY, check_prompt_vocabulary, prompt_ids
 
     prompts = collect_prompts(config)
     output = Path(config.output)
@@ -182,9 +184,14 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
     if target is None:
         from .embedded import load_target
 
-        target, tokenizer = load_target(config.target, dtype=getattr(torch, config.dtype))
-    if tokenizer is None:
-        raise ValueError("distill needs the target's tokenizer: pass tokenizer= with target=.")
+        target, tokenizer = load_target(config.target, dtype=getattr(torch, config.dtype), tokenizer=config.tokenizer)
+    elif tokenizer is None:
+        if config.tokenizer is None:
+            raise ValueError("distill needs the target's tokenizer: pass tokenizer= with target= (or "
+                             "config.tokenizer, a folder or Hub id holding it).")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
     target = target.to(config.device).eval()
 
     todo = []
@@ -195,6 +202,7 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
         ids = prompt_ids(tokenizer, messages)  # (a base model's: the messages' text)
         if len(ids) <= config.max_prompt_tokens:
             todo.append((prompt_id, prompt, ids))
+    check_prompt_vocabulary((ids for _, _, ids in todo), target, TOKENIZER_REMEDY)
     todo.sort(key=lambda row: len(row[2]))  # similar lengths per batch: less padding
     eos, pad = stop_and_pad_ids(target, tokenizer)
 

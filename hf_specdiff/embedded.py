@@ -220,11 +220,13 @@ def load_default_target(dtype="float32", device: str | None = None, cache_dir=No
     return model.eval(), tokenizer
 
 
-def load_target(path_or_repo_id: str | None, dtype="float32", with_tokenizer: bool = True):
+def load_target(path_or_repo_id: str | None, dtype="float32", with_tokenizer: bool = True,
+                tokenizer: str | None = None):
     """`(model, tokenizer)` of the target a command names: None is the embedded SmolLM2-135M-Instruct, else a local
-    folder or Hub id of a causal LM or a vision-language model (tokenizer None when `with_tokenizer` is False). A path
-    that holds no model fails with what to do, before transformers would guess at a Hub repo or a config it cannot
-    read."""
+    folder or Hub id of a causal LM or a vision-language model (tokenizer None when `with_tokenizer` is False). Its
+    tokenizer is the one saved with it, or the one `tokenizer` (a folder or Hub id; a command's --tokenizer) names. A
+    path that holds no model fails with what to do, before transformers would guess at a Hub repo or a config it
+    cannot read."""
     from transformers import (
         MODEL_FOR_CAUSAL_LM_MAPPING,
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
@@ -236,14 +238,19 @@ def load_target(path_or_repo_id: str | None, dtype="float32", with_tokenizer: bo
 
     from ._hub import check_folder_or_repo_id, check_tokenizer_folder, find_file
 
+    if with_tokenizer and tokenizer is not None:  # before the weights load
+        check_folder_or_repo_id(tokenizer, "tokenizer")
+        check_tokenizer_folder(tokenizer, "target")
     if path_or_repo_id is None:
-        model, tokenizer = load_default_target(dtype=dtype)
-        return model, tokenizer if with_tokenizer else None
+        model, embedded_tokenizer = load_default_target(dtype=dtype)
+        if not with_tokenizer:
+            return model, None
+        return model, embedded_tokenizer if tokenizer is None else AutoTokenizer.from_pretrained(tokenizer)
     check_folder_or_repo_id(path_or_repo_id, "target")
     find_file(str(path_or_repo_id), "config.json", "target", "Point at a causal LM's folder (its config.json beside "
               "the weights), or leave the target out for the embedded SmolLM2-135M-Instruct.")
-    if with_tokenizer:  # before the weights load
-        check_tokenizer_folder(path_or_repo_id, "target")
+    if with_tokenizer and tokenizer is None:
+        check_tokenizer_folder(path_or_repo_id, "target", ", or pass --tokenizer (a folder or Hub id holding it)")
     config = AutoConfig.from_pretrained(path_or_repo_id)
     if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
         model_class = AutoModelForCausalLM
@@ -255,4 +262,6 @@ def load_target(path_or_repo_id: str | None, dtype="float32", with_tokenizer: bo
             "nor as a vision-language model: point at a decoder-only language model (or one with a vision tower)."
         )
     model = model_class.from_pretrained(path_or_repo_id, dtype=dtype)
-    return model.eval(), AutoTokenizer.from_pretrained(path_or_repo_id) if with_tokenizer else None
+    if not with_tokenizer:
+        return model.eval(), None
+    return model.eval(), AutoTokenizer.from_pretrained(tokenizer or path_or_repo_id)

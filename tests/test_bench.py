@@ -108,6 +108,41 @@ def test_bench_reports_every_method_side_by_side(tmp_path, smollm):
         "acceptance_by_position.png", "accepted_lengths.png", "speedup.png"]
 
 
+@pytest.mark.parametrize("batch_size", [["1"], ["1", "2"]])
+def test_a_target_saved_without_its_tokenizer_runs_with_the_tokenizer_option(tmp_path, batch_size):
+    """bench and distill take --tokenizer (before: only calibrate did), for a target folder saved without one; the
+    result records it."""
+    from conftest import make_target
+    from transformers import AutoTokenizer
+
+    from hf_specdiff.cli import main
+    from hf_specdiff.embedded import default_target_path
+
+    tokenizer_folder = str(default_target_path())
+    vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_folder))
+    target = make_target(vocab_size=vocab_size, hidden_size=32, num_layers=2, dtype=torch.float32)
+    target.save_pretrained(tmp_path / "target")
+    hf_specdiff.AutoSpeculator.from_target(target, block_size=4, num_draft_layers=1, refiner_rank=8,
+                                           seed=0).save_pretrained(tmp_path / "speculator")
+    prompts = ["--prompts", str(_two_prompts(tmp_path)), "--limit", "0", "--max-new-tokens", "6"]
+    main(["bench", "--target", str(tmp_path / "target"), "--tokenizer", tokenizer_folder, "--speculator",
+          str(tmp_path / "speculator"), "--methods", "ar", "dflash", "--batch-size", *batch_size,
+          "--json", str(tmp_path / "out.json"), *prompts])
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["config"]["tokenizer"] == tokenizer_folder
+    summary = result["summary"] if batch_size == ["1"] else result["curve"]["2"]
+    assert summary["dflash"]["unexplained_mismatches"] == 0
+    main(["distill", "--target", str(tmp_path / "target"), "--tokenizer", tokenizer_folder, "--sources",
+          str(_two_prompts(tmp_path)), "--output", str(tmp_path / "answers.jsonl"), "--max-new-tokens", "4"])
+    with pytest.raises(ValueError, match="A target given in memory needs its tokenizer: pass tokenizer="):
+        run_bench(BenchConfig(prompts=str(_two_prompts(tmp_path)), speculator=str(tmp_path / "speculator"),
+                              methods=["ar"], batch_size=[int(size) for size in batch_size]), target=target)
+    row = next(json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()
+               if json.loads(line).get("prompt") == "What is 12 times 7?")
+    assert row["prompt_ids"] == AutoTokenizer.from_pretrained(tokenizer_folder).apply_chat_template(
+        [{"role": "user", "content": "What is 12 times 7?"}], add_generation_prompt=True, return_dict=True)["input_ids"]
+
+
 @pytest.mark.parametrize("batch_size", [[1], [1, 2]])
 def test_a_base_model_without_a_chat_template_is_benched_on_plain_text(tmp_path, smollm, batch_size):
     """A base model's tokenizer has no chat template: each prompt is its plain text (before: transformers' error that

@@ -163,13 +163,23 @@ def test_a_model_folder_without_a_tokenizer_or_with_another_models_is_refused(tm
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "What is 2 + 3?"}\n')
     prompts = ["--prompts", str(tmp_path / "prompts.jsonl"), "--limit", "1"]
     saved_alone = "holds no tokenizer .* save the model's tokenizer into that folder \\(tokenizer.save_pretrained"
-    with pytest.raises(OSError, match=f"dlm {saved_alone}.*\\)\\.$"):
+    with pytest.raises(OSError, match=f"dlm {saved_alone}.*, or pass --tokenizer"):
         main(["bench", "--target", str(tmp_path / "dlm"), "--methods", "steps", "--max-new-tokens", "32", *prompts])
-    with pytest.raises(OSError, match=f"causal {saved_alone}.*\\)\\.$"):
+    with pytest.raises(OSError, match=f"causal {saved_alone}.*, or pass --tokenizer"):
         main(["bench", "--target", str(tmp_path / "causal"), "--methods", "ar", *prompts])
+    shipped = str(hf_specdiff.default_diffusion_lm_path())  # SmolLM2's tokenizer: 49152 tokens
+    with pytest.raises(ValueError, match="writes token id [0-9]+, but the target embeds 300 tokens: pass the target's "
+                       "own tokenizer \\(--tokenizer"):
+        main(["bench", "--target", str(tmp_path / "causal"), "--tokenizer", shipped, "--methods", "ar", *prompts])
+    with pytest.raises(ValueError, match="writes token id [0-9]+, but the diffusion LM has 300 tokens: pass the "
+                       "tokenizer the model was trained with \\(--tokenizer"):
+        main(["bench", "--target", str(tmp_path / "dlm"), "--tokenizer", shipped, "--methods", "steps",
+              "--max-new-tokens", "32", *prompts])
+    with pytest.raises(FileNotFoundError, match="No tokenizer at .*nowhere"):
+        main(["bench", "--target", str(tmp_path / "dlm"), "--tokenizer", str(tmp_path / "nowhere"), "--methods",
+              "steps", *prompts])
     with pytest.raises(OSError, match=f"dlm {saved_alone}.*, or pass --tokenizer"):
         main(["calibrate", "--model", str(tmp_path / "dlm"), *prompts])
-    shipped = str(hf_specdiff.default_diffusion_lm_path())  # SmolLM2's tokenizer: 49152 tokens
     with pytest.raises(ValueError, match="tokenizer of .* writes token id [0-9]+, but the model has 300 tokens: pass "
                        "the tokenizer the model was trained with"):
         main(["calibrate", "--model", str(tmp_path / "dlm"), "--tokenizer", shipped, "--max-new-tokens", "32",
