@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -90,6 +91,21 @@ def check_tokenizer_folder(path_or_repo_id: str | os.PathLike, what: str, remedy
 UPLOAD_OPTIONS = ("commit_message", "commit_description", "private", "token", "revision", "create_pr")
 
 
+def check_repo_id(repo_id: str, what: str = "repo_id") -> None:
+    """Refuse a `repo_id` the Hub would refuse, before anything is saved or created: the Hub client would only say so
+    once the folder is written and being uploaded. `what`: where the id came from, for the message."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ValueError(
+            f"{what}={repo_id!r} is not a Hub repo id ({error}). A repo id reads 'name' or 'namespace/name', e.g. "
+            "'my-speculator' or 'your-username/my-speculator': letters, digits, '-', '_' and '.', not starting or "
+            "ending with '-' or '.', at most 96 characters each."
+        ) from error
+
+
 def upload_folder(folder: Path, repo_id: str, commit_message: str, commit_description: str | None = None,
                   private: bool | None = None, token: str | bool | None = None, revision: str | None = None,
                   create_pr: bool = False):
@@ -97,6 +113,7 @@ def upload_folder(folder: Path, repo_id: str, commit_message: str, commit_descri
     created if need be, and a branch `revision` too (unless it names a pull request). Returns the commit info."""
     from huggingface_hub import HfApi
 
+    check_repo_id(repo_id)
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
     if revision is not None and not revision.startswith("refs/pr"):
@@ -115,13 +132,37 @@ def split_push_options(kwargs: dict, save_options: tuple[str, ...], what: str) -
             {k: v for k, v in kwargs.items() if k in save_options})
 
 
+def umask_file_mode(folder: Path) -> int:
+    """The mode a plain `open()` gives a new file in `folder`: 0o666 & ~umask, read by creating one (reading the umask
+    means setting it, process-wide, which another thread's file could catch)."""
+    probe = folder / ".umask-probe"
+    probe.touch(mode=0o666)
+    file_mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    return file_mode
+
+
+@contextmanager
+def usual_modes(folders: list[Path], pattern: str = "*.safetensors"):
+    """Give the files matching `pattern` that the block writes in `folders` the mode the umask gives a new file, as
+    other saved files have. safetensors (0.8) writes each file as a temporary file, created 0600, then renamed into
+    place (safetensors/safetensors#782), which would lock other users out of a saved artifact; a file written so by an
+    earlier save is repaired when saved again. Files the block leaves alone keep their mode."""
+    before = {path: path.stat() for folder in folders for path in folder.glob(pattern)}
+    yield
+    for folder in folders:
+        written = [path for path in folder.glob(pattern) if path not in before
+                   or (before[path].st_ino, before[path].st_mtime_ns) != (path.stat().st_ino, path.stat().st_mtime_ns)]
+        if written:
+            file_mode = umask_file_mode(folder)
+            for path in written:
+                path.chmod(file_mode)
+
+
 def share_like_umask(folder: Path) -> None:
     """Give `folder` and its files the modes a plain `open()` / `mkdir()` would: safetensors writes its files 0600 (and
     `mkdtemp` makes a folder 0700), which would lock other users out of a shared cache or an exported artifact."""
-    probe = folder / ".umask-probe"
-    probe.touch(mode=0o666)  # the mode it gets is 0o666 & ~umask, read without changing the process-wide umask
-    file_mode = probe.stat().st_mode & 0o777
-    probe.unlink()
+    file_mode = umask_file_mode(folder)
     folder_mode = file_mode | ((file_mode & 0o444) >> 2)  # searchable wherever readable
     for path in folder.rglob("*"):
         path.chmod(folder_mode if path.is_dir() else file_mode)

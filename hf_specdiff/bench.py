@@ -12,12 +12,14 @@ and the decode rate after it; whether transformers compiled the forward; for the
 per target forward after the prefill, bonus included, pooled over the run's steps, so that a prompt weighs by its
 steps; `tau_per_sample` gives each prompt's own, None for one that stopped at the prefill) and target forwards
 (`prompt_lookup` and `dflash_hf`, transformers' loops, keep no statistics: a hook counts their forwards, and tau comes
-from those and the tokens); for ours also acceptance by block position and draft/refine/verify time per step in the
-steady state (the prefill forward and the first block's drafter pass over the prompt apart: `prefill_forward_ms`,
-`draft_prefill_ms`). Losslessness against `ar`: greedy runs compare token by token (raw mismatches, and those not
-explained by a near-tie of the target's logits in floating point; the second must be 0); sampled runs
-(`temperature > 0`) compare the target's mean log-probability of the generated tokens with a paired permutation test
-over prompts (`sampling_check`, see `paired_permutation_test`).
+from those and the tokens); for ours also acceptance by block position and draft/refine/verify time per verify
+step in the steady state (the prefill forward and the first block's drafter pass over the prompt apart:
+`prefill_forward_ms`, `draft_prefill_ms`; refine is resolving the drafted block into tokens, which for dflash, with no
+refiner, is picking each slot's token from the drafter's logits). Losslessness against `ar`: greedy runs compare
+token by token (raw mismatches, and those not explained by a near-tie of the target's logits in floating point; the
+second must be 0); sampled runs (`temperature > 0`) compare the target's mean log-probability of the generated tokens
+with a paired permutation test over prompts (`sampling_check`, see `paired_permutation_test`; with fewer than 6
+prompts it cannot reject at 0.05, and `too_few_prompts` says so).
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ _FILES = {
     "humaneval": "humaneval/test.jsonl",
     "mbpp": "mbpp/test.jsonl",
     "mt_bench": "mt_bench/question.jsonl",
+}
+# one good line of each set's file, for the message naming a line that is not JSON
+_ROW_EXAMPLES = {
+    "gsm8k": '{"question": "...", "answer": "..."}',
+    "math500": '{"problem": "...", "answer": "..."}',
+    "humaneval": '{"task_id": "...", "prompt": "def f(x):\\n"}',
+    "mbpp": '{"prompt": "...", "test_list": ["assert ..."]}',
+    "mt_bench": '{"question_id": 81, "turns": ["..."]}',
 }
 
 
@@ -119,27 +129,58 @@ class BenchConfig:
         "write PNG plots (speedup, accepted lengths, acceptance by position) to this folder")})
 
 
-def find_data_dir(explicit: str | None) -> Path:
-    if explicit is not None:
-        if not (Path(explicit) / "gsm8k").is_dir():
-            raise FileNotFoundError(f"--data-dir {explicit} has no gsm8k/ folder: point it at the benchmark data.")
-        return Path(explicit)
-    candidates = [os.environ.get("HF_SPECDIFF_DATA"), "shared/data", "../shared/data"]
-    for candidate in filter(None, candidates):
-        if (Path(candidate) / "gsm8k").is_dir():
-            return Path(candidate)
+def find_data_dir(explicit: str | None, needs: tuple[str, ...] = ("gsm8k",), remedy: str = "") -> Path:
+    """The folder benchmark data is read from: `explicit` (--data-dir), else $HF_SPECDIFF_DATA where it is set, else
+    ./shared/data or ../shared/data, the first that holds `needs` (the paths inside it that the caller reads; the
+    default, gsm8k/, marks a folder of benchmark data). A folder the user named (--data-dir or the variable) is never
+    passed over for another: one that lacks what is needed is an error naming it and what it lacks, since results
+    read from elsewhere would say nothing of the data the user pointed at. `remedy` ends every message (the caller's
+    other way out, e.g. dropping a dataset)."""
+    def lacking(folder: Path) -> list[str]:
+        return [need for need in needs if not (folder / need).exists()]
+
+    variable = os.environ.get("HF_SPECDIFF_DATA")
+    if explicit is not None or variable:
+        folder = Path(explicit if explicit is not None else variable)
+        named = f"--data-dir {folder}" if explicit is not None else f"$HF_SPECDIFF_DATA ({folder})"
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{named} is not a folder: point it at the benchmark data (a folder holding "
+                                    f"{', '.join(needs)}).{remedy}")
+        if missing := lacking(folder):
+            raise FileNotFoundError(f"{named} has no {', '.join(missing)}: add it there, or point "
+                                    f"{'--data-dir' if explicit is not None else 'HF_SPECDIFF_DATA'} at a folder "
+                                    f"that has it.{remedy}")
+        return folder
+    for folder in map(Path, ("shared/data", "../shared/data")):
+        if folder.is_dir() and not lacking(folder):
+            return folder
     raise FileNotFoundError(
-        "No benchmark data found in $HF_SPECDIFF_DATA, ./shared/data or ../shared/data: set HF_SPECDIFF_DATA to a "
-        "folder with gsm8k/test.jsonl, ... (or pass --data-dir, where the command has it)."
+        f"No benchmark data found: HF_SPECDIFF_DATA is not set, and neither ./shared/data nor ../shared/data holds "
+        f"{', '.join(needs)}: set HF_SPECDIFF_DATA to a folder that does (or pass --data-dir, where the command has "
+        f"it).{remedy}"
     )
 
 
+def data_folder(config: BenchConfig) -> Path | None:
+    """The folder `load_rows` reads `config.datasets` from (only their files need be there); None for a --prompts
+    run."""
+    if config.prompts:
+        return None
+    return find_data_dir(config.data_dir, tuple(_FILES[name] for name in config.datasets if name in _FILES),
+                         remedy=" Or drop that dataset from --datasets, or pass your own --prompts FILE.jsonl.")
+
+
+# the dtypes the models run in; others (int8, float64, ...) would fail, or run slowly, only after a model loaded
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype a `--dtype` option names ("float32", "bfloat16", ...), or a ValueError that lists them."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"--dtype {name!r} is not a torch dtype; use float32, bfloat16 or float16.")
-    return dtype
+    """The torch dtype a `--dtype` option names (one of DTYPES), or a ValueError that lists them."""
+    if name not in DTYPES:
+        kind = "a torch dtype the models run in" if isinstance(getattr(torch, name, None), torch.dtype) else \
+            "a torch dtype"
+        raise ValueError(f"--dtype {name!r} is not {kind}; use float32, bfloat16 or float16.")
+    return getattr(torch, name)
 
 
 def _check_limit(limit: int) -> None:
@@ -254,10 +295,18 @@ def load_rows(config: BenchConfig) -> list[tuple[str, dict]]:
     unknown = [d for d in config.datasets if d not in DATASETS]
     if unknown:
         raise ValueError(f"Unknown datasets {unknown}; choose from {DATASETS} or pass --prompts FILE.jsonl.")
-    data_dir = find_data_dir(config.data_dir)
+    data_dir = data_folder(config)
     out = []
     for name in config.datasets:
-        rows = [json.loads(line) for line in (data_dir / _FILES[name]).read_text().splitlines() if line.strip()]
+        rows = []
+        for _, where, row in json_lines(data_dir / _FILES[name], _ROW_EXAMPLES[name]):
+            try:  # a row without the fields its prompt is made of is named here, not as a KeyError at its turn
+                if not isinstance(_question(name, row), str):
+                    raise TypeError
+            except (KeyError, TypeError, IndexError):
+                raise ValueError(f"{where} is not a {name} row: its prompt's fields are missing; write rows like "
+                                 f"{_ROW_EXAMPLES[name]}.") from None
+            rows.append(row)
         random.Random(config.seed).shuffle(rows)
         out += [(name, row) for row in rows[: config.limit or None]]
     return out
@@ -450,7 +499,7 @@ def load_models(config: BenchConfig, target=None, tokenizer=None, speculator=Non
     else the embedded SmolLM2-135M-Instruct and its shipped speculator. The target is `enable`d."""
     import hf_specdiff
 
-    dtype = getattr(torch, config.dtype)
+    dtype = torch_dtype(config.dtype)
     if speculator is None:  # first: a wrong path fails before the target loads, which can take minutes
         path = config.speculator or hf_specdiff.default_speculator_path()
         speculator = hf_specdiff.AutoSpeculator.from_pretrained(path)
@@ -480,6 +529,9 @@ def check_bench_config(config: BenchConfig, methods: tuple[str, ...]) -> None:
         raise ValueError(f"--temperature must be >= 0 (0: greedy), got {config.temperature}.")
     if config.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {config.max_new_tokens}.")
+    if config.tie_tolerance < 0:  # a negative gap bound would count every greedy divergence as unexplained
+        raise ValueError(f"--tie-tolerance must be >= 0 (a logit gap; 0: only the dtype's rounding explains a "
+                         f"divergence), got {config.tie_tolerance}.")
     if any(k < 1 for k in config.jacobi_passes):
         raise ValueError(f"--jacobi-passes must each be >= 1, got {list(config.jacobi_passes)}.")
     torch_dtype(config.dtype)
@@ -591,6 +643,7 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
 
         return run_batch_bench(config, target, tokenizer, speculator, progress)
     prompts = load_prompts(config)  # a bad file or dataset fails before the models load
+    data_dir = data_folder(config)  # recorded: the folder the prompts were read from
     target, tokenizer, speculator = load_models(config, target, tokenizer, speculator)
     sampling = config.temperature > 0
     common = generate_kwargs(config)
@@ -655,7 +708,8 @@ def run_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None,
     bar.close()
     names = [n for n, _ in runs]
     datasets = list(dict.fromkeys(r["dataset"] for r in records))
-    return {"config": recorded_config(config), "environment": _environment(target, config, speculator, tokenizer),
+    return {"config": recorded_config(config),
+            "environment": _environment(target, config, speculator, tokenizer, data_dir),
             "runs": names,
             "summary": summarize(records, names),
             "by_dataset": {d: summarize([r for r in records if r["dataset"] == d], names) for d in datasets},
@@ -731,16 +785,70 @@ def paired_permutation_test(a, b, permutations: int = 10_000, seed: int = 0) -> 
     return float((1 + (flipped >= observed - tolerance).sum()) / (1 + permutations))
 
 
+SIGNIFICANCE = 0.05  # the level at which a sampled run's p-value is read as flagging a shifted distribution
+
+
+def smallest_p_value(pairs: int, permutations: int = 10_000) -> float:
+    """The smallest p-value `paired_permutation_test` can return for `pairs` pairs: the observed sign vector and its
+    mirror image always rank as high as the observed one, so the exact test (2^n <= permutations) never goes below
+    2 / 2^n (0.5 for 2 pairs, 0.25 for 3); the sampled one never below 1 / (1 + permutations)."""
+    if pairs == 0:
+        return 1.0
+    return 2 / 2**pairs if 2**pairs <= permutations else 1 / (1 + permutations)
+
+
+def fewest_pairs_to_reject(level: float = SIGNIFICANCE) -> int:
+    """How many pairs the permutation test needs before it can reject at `level` at all (6 at 0.05: p >= 2/64)."""
+    pairs = 1
+    while smallest_p_value(pairs) >= level:
+        pairs += 1
+    return pairs
+
+
+def too_few_pairs_note(pairs: int) -> str | None:
+    """Why a sampled run's p-value cannot flag anything with `pairs` prompts, and what to do; None when it can."""
+    if pairs == 0 or smallest_p_value(pairs) < SIGNIFICANCE:
+        return None
+    return (f"too few prompts (n={pairs}) for this test to detect a difference: its smallest possible p-value is "
+            f"{smallest_p_value(pairs):.2g}, not below {SIGNIFICANCE}; use --limit >= {fewest_pairs_to_reject()} (or "
+            "that many prompts in a --prompts file)")
+
+
 def _sampling_check(rows: list[dict], reference_rows: list[dict]) -> dict:
+    """The sampled run's losslessness check: mean target log-probabilities, their mean difference and its p-value;
+    `too_few_prompts` says (or is None) when so few prompts were paired that no p-value could fall below
+    SIGNIFICANCE, so that a large p there is no evidence of losslessness."""
     reference = {r["prompt"]: r["mean_logprob"] for r in reference_rows}
     pairs = [(r["mean_logprob"], reference.get(r["prompt"])) for r in rows]
     pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
     if not pairs:
-        return {"mean_logprob": None, "ar_mean_logprob": None, "mean_difference": None, "p_value": None, "prompts": 0}
+        return {"mean_logprob": None, "ar_mean_logprob": None, "mean_difference": None, "p_value": None, "prompts": 0,
+                "smallest_p_value": 1.0, "too_few_prompts": None}
     ours, theirs = [x for x, _ in pairs], [y for _, y in pairs]
     return {"mean_logprob": sum(ours) / len(ours), "ar_mean_logprob": sum(theirs) / len(theirs),
             "mean_difference": (sum(ours) - sum(theirs)) / len(pairs),
-            "p_value": paired_permutation_test(ours, theirs), "prompts": len(pairs)}
+            "p_value": paired_permutation_test(ours, theirs), "prompts": len(pairs),
+            "smallest_p_value": smallest_p_value(len(pairs)), "too_few_prompts": too_few_pairs_note(len(pairs))}
+
+
+def sampling_check_cell(check: dict) -> str:
+    """A sampled run's table cell: mean log-probability difference and p-value, starred where too few prompts were
+    paired for the p-value to flag anything (`sampling_power_note` explains the star)."""
+    star = "*" if check.get("too_few_prompts") else ""
+    return f"{check['mean_difference']:+.3f} (p={check['p_value']:.2f}{star})"
+
+
+def sampling_power_note(checks) -> str:
+    """A footer sentence for the starred cells of a sampled run's table (`checks`: its sampling_check dicts), or ''.
+    Results written before the check recorded this show no star and no note."""
+    counts = sorted({check["prompts"] for check in checks if check and check.get("too_few_prompts")})
+    if not counts:
+        return ""
+    pairs = ", ".join(map(str, counts))
+    return (f" * too few prompts (n={pairs}) for this test to detect a difference: with n pairs its smallest possible "
+            f"p-value is 2/2^n, not below {SIGNIFICANCE} until n = {fewest_pairs_to_reject()}, so these p-values "
+            f"cannot flag a shifted distribution; use --limit >= {fewest_pairs_to_reject()} (or that many prompts in "
+            "a --prompts file).")
 
 
 def summarize(records: list[dict], runs: list[str]) -> dict:
@@ -797,7 +905,8 @@ def mean_accepted_length(lengths: list[list[int]]) -> float | None:
 def phase_times(stats: list[dict]) -> dict:
     """Milliseconds per (batched) step of drafting, resolving and verifying a block, steady state: the prefill forward
     and the first block's drafter pass, which reads the whole prompt, are reported per run apart (`prefill_forward_ms`,
-    `draft_prefill_ms`). None where no step was taken."""
+    `draft_prefill_ms`). None where no step was taken. `refine_ms` is resolving the drafted block into tokens
+    (`PHASES_NOTE`): dflash, which has no refiner, spends it picking each slot's token from the drafter's logits."""
     def per(seconds, count):
         return 1000 * seconds / count if count else None
 
@@ -834,7 +943,7 @@ def speed_settings_note(env: dict) -> str:
     return "; set: " + ", ".join(f"{name}={value}" for name, value in settings.items()) if settings else ""
 
 
-def _environment(target, config, speculator=None, tokenizer=None) -> dict:
+def _environment(target, config, speculator=None, tokenizer=None, data_dir: Path | None = None) -> dict:
     import transformers
 
     device = config.device
@@ -850,6 +959,8 @@ def _environment(target, config, speculator=None, tokenizer=None) -> dict:
         env["cpu_weights_packed"] = _cpu_linear.packing_pays_on_this_cpu()
     if tokenizer is not None:  # a base model's prompts are plain text
         env["prompt_format"] = prompt_format(tokenizer)
+    if data_dir is not None:  # where the datasets' prompts came from (--data-dir, $HF_SPECDIFF_DATA or shared/data)
+        env["data_dir"] = str(Path(data_dir).resolve())
     if speculator is not None:  # which one (the folder it was loaded from), and how many tokens it drafts from
         env["speculator"] = speculator.drafter.config.name_or_path or None
         env["draft_vocab_size"] = None if speculator.draft_vocab is None else len(speculator.draft_vocab)
@@ -907,7 +1018,7 @@ def markdown_table(result: dict) -> str:
             if name == "ar":
                 verdict = ""
             elif "sampling_check" in e and e["sampling_check"]["prompts"]:
-                verdict = f"{e['sampling_check']['mean_difference']:+.3f} (p={e['sampling_check']['p_value']:.2f})"
+                verdict = sampling_check_cell(e["sampling_check"])
             else:
                 verdict = f"{e.get('lossless_mismatches', '-')} ({e.get('unexplained_mismatches', '-')})"
             lines.append(f"| {dataset} | {name} | {tau} | {e['tokens_per_s']:.1f} | {number(e, 'speedup_vs_ar', 2)} | "
@@ -921,9 +1032,21 @@ def markdown_table(result: dict) -> str:
     if any("compiled" in e for e in result["summary"].values()):
         lines.append(f"{compile_note(result['summary'], result['config'])} Prefill = time to the first generated "
                      "token; decode tokens/s = the tokens after it over the time after it.")
+    if any(e.get("refine_ms") is not None for e in result["summary"].values()):
+        lines.append(f"Draft, refine and verify ms are per verify step (one drafted block each){PHASES_NOTE}")
     if sampled:
-        lines.append(sampling_note(result["config"]["temperature"], "prompts"))
+        checks = [e.get("sampling_check") for summary in sections.values() for e in summary.values()]
+        lines.append(sampling_note(result["config"]["temperature"], "prompts") + sampling_power_note(checks))
     return "\n".join(lines)
+
+
+# what a table's phase columns hold, after the unit it is in (a table footer); the timed spans: `candidates.py`
+PHASES_NOTE = (
+    ", in the steady state (the prefill forward and the first block's drafter pass over the prompt are left out). "
+    "Refine is turning the drafter's logits into draft tokens: xpress's Jacobi passes, markov's left-to-right head, "
+    "and for dflash, which has no refiner, picking each slot's token on its own (argmax, or a sample, of the processed "
+    "logits); the drafter's read-out to logits counts as draft."
+)
 
 
 def compile_note(summary: dict, config: dict) -> str:
@@ -997,52 +1120,79 @@ def write_outputs(result: dict, config: BenchConfig) -> None:
 
 def plot_results(result: dict, folder: str | Path) -> list[Path]:
     """speedup.png (tokens/s over plain generate, per dataset), accepted_lengths.png (histogram of tokens per
-    verify step), acceptance_by_position.png (P(draft at block position i accepted | offered))."""
+    verify step, one bar per method side by side), acceptance_by_position.png (P(draft at block position i accepted |
+    offered)). A plot with nothing to show is not written (the speedup needs a method besides ar, the other two one of
+    our speculative loop's methods): a warning says which and why. Returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     methods = [m for m in result["runs"] if m != "ar"]
     with_stats = [m for m in methods if "accept_rate_by_position" in result["summary"][m]]  # our loop's methods
+    lengths = {m: [n for r in result["records"] if r["method"] == m for n in r["stats"]["accepted_lengths"]]
+               for m in with_stats}
+    lengths = {m: values for m, values in lengths.items() if values}  # a run of one-token budgets takes no step
     datasets = list(result["by_dataset"])
+    figures, skipped = [], []
+
+    if methods:
+        fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(datasets) * len(methods) / 2, 3.5))
+        width = 0.8 / len(methods)
+        for i, method in enumerate(methods):
+            values = [result["by_dataset"][d][method]["speedup_vs_ar"] for d in datasets]
+            ax.bar([x + i * width for x in range(len(datasets))], values, width, label=method)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(datasets))], datasets)
+        ax.set_ylabel("tokens/s vs plain generate")
+        ax.legend(fontsize=8)
+        figures.append((fig, "speedup.png"))
+    else:
+        skipped.append("speedup.png (only ar ran: add another method to --methods)")
+
+    if lengths:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        longest = max(max(values) for values in lengths.values())
+        # side by side, opaque: overlaid translucent histograms blend into colours no legend entry has
+        ax.hist(list(lengths.values()), bins=range(1, longest + 2), density=True, align="left",
+                label=list(lengths), color=[f"C{methods.index(m)}" for m in lengths])
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("tokens per verify step (bonus included)")
+        ax.set_ylabel("fraction of steps")
+        ax.legend(fontsize=8)
+        figures.append((fig, "accepted_lengths.png"))
+    else:
+        skipped.append("accepted_lengths.png (no verify step of dflash, xpress, markov or their _static runs: "
+                       f"{'none ran' if not with_stats else 'each prompt ended at its prefill'})")
+
+    rates = {m: result["summary"][m]["accept_rate_by_position"] for m in with_stats}
+    if any(rates.values()):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for method, rate in rates.items():
+            ax.plot(range(1, len(rate) + 1), rate, marker="o", markersize=3, label=method,
+                    color=f"C{methods.index(method)}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # block positions are whole numbers
+        ax.set_xlabel("draft position in block")
+        ax.set_ylabel("accepted | offered")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=8)
+        figures.append((fig, "acceptance_by_position.png"))
+    else:
+        skipped.append("acceptance_by_position.png (no draft of dflash, xpress, markov or their _static runs was "
+                       f"offered: {'none ran' if not with_stats else 'each prompt ended at its prefill'})")
+
+    if skipped:
+        from ._warnings import warn_at_caller
+
+        warn_at_caller(f"--plots {folder}: not written, nothing to show: {'; '.join(skipped)}.")
     written = []
-
-    fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(datasets) * max(len(methods), 1) / 2, 3.5))
-    width = 0.8 / max(len(methods), 1)
-    for i, method in enumerate(methods):
-        values = [result["by_dataset"][d][method]["speedup_vs_ar"] for d in datasets]
-        ax.bar([x + i * width for x in range(len(datasets))], values, width, label=method)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(datasets))], datasets)
-    ax.set_ylabel("tokens/s vs plain generate")
-    ax.legend(fontsize=8)
-    written.append(folder / "speedup.png")
-
-    fig2, ax2 = plt.subplots(figsize=(5, 3.5))
-    for method in with_stats:
-        lengths = [n for r in result["records"] if r["method"] == method for n in r["stats"]["accepted_lengths"]]
-        if lengths:
-            ax2.hist(lengths, bins=range(1, max(lengths) + 2), alpha=0.5, label=method, density=True, align="left")
-    ax2.set_xlabel("tokens per verify step (bonus included)")
-    ax2.set_ylabel("fraction of steps")
-    ax2.legend(fontsize=8)
-    written.append(folder / "accepted_lengths.png")
-
-    fig3, ax3 = plt.subplots(figsize=(5, 3.5))
-    for method in with_stats:
-        rates = result["summary"][method]["accept_rate_by_position"]
-        ax3.plot(range(1, len(rates) + 1), rates, marker="o", markersize=3, label=method)
-    ax3.set_xlabel("draft position in block")
-    ax3.set_ylabel("accepted | offered")
-    ax3.set_ylim(0, 1)
-    ax3.legend(fontsize=8)
-    written.append(folder / "acceptance_by_position.png")
-
-    for figure, path in zip((fig, fig2, fig3), written):
+    if figures:
+        folder.mkdir(parents=True, exist_ok=True)
+    for figure, name in figures:
         figure.tight_layout()
-        figure.savefig(path, dpi=120)
+        figure.savefig(folder / name, dpi=120)
         plt.close(figure)
+        written.append(folder / name)
     return written

@@ -37,6 +37,7 @@ import torch
 
 from .batching import left_pad, stop_and_pad_ids, until_stop
 from .bench import (
+    PHASES_NOTE,
     TOKENIZER_REMEDY,
     BenchConfig,
     _drafts_per_block,
@@ -47,6 +48,7 @@ from .bench import (
     _sampling_check,
     check_prompt_vocabulary,
     compile_note,
+    data_folder,
     generate_kwargs,
     load_models,
     load_prompts,
@@ -56,7 +58,9 @@ from .bench import (
     prompt_format_note,
     prompt_ids,
     recorded_config,
+    sampling_check_cell,
     sampling_note,
+    sampling_power_note,
     speed_settings_note,
     timed_generate,
 )
@@ -97,6 +101,7 @@ def run_batch_bench(config: BenchConfig, target=None, tokenizer=None, speculator
 
     _check_batch_config(config)
     prompts = load_prompts(config)
+    data_dir = data_folder(config)  # recorded: the folder the prompts were read from
     _check_batch_config(config, len(prompts))
     prompts = curve_prompts(prompts, sorted(config.batch_size))
     target, tokenizer, speculator = load_models(config, target, tokenizer, speculator)
@@ -158,8 +163,8 @@ def run_batch_bench(config: BenchConfig, target=None, tokenizer=None, speculator
         for name in names:
             curve[str(size)][name]["compiled"] = compiled[size, name]
     return {"kind": "batch_curve", "config": recorded_config(config),
-            "environment": _environment(target, config, speculator, tokenizer), "runs": names, "batch_sizes": sizes,
-            "curve": curve, "records": records}
+            "environment": _environment(target, config, speculator, tokenizer, data_dir), "runs": names,
+            "batch_sizes": sizes, "curve": curve, "records": records}
 
 
 def summarize_curve(records: list[dict], runs: list[str]) -> dict:
@@ -211,7 +216,7 @@ def batch_markdown_table(result: dict) -> str:
             if name == "ar":
                 verdict = ""
             elif e.get("sampling_check", {}).get("prompts"):
-                verdict = f"{e['sampling_check']['mean_difference']:+.3f} (p={e['sampling_check']['p_value']:.2f})"
+                verdict = sampling_check_cell(e["sampling_check"])
             else:
                 verdict = f"{e.get('lossless_mismatches', '-')} ({e.get('unexplained_mismatches', '-')})"
             lines.append(f"| {size} | {name} | {tau} | {e['tokens_per_s']:.1f} | {number(e, 'speedup_vs_ar', 2)} | "
@@ -234,10 +239,11 @@ def batch_markdown_table(result: dict) -> str:
               f"{prompt_format_note(env)}; prompts used per "
               f"batch size (full batches only): {used}; by dataset: {', '.join(f'{d} {n}' for d, n in mix.items())}. "
               "tokens/s counts each row's tokens up to its first stop; tau is tokens per row per target forward; "
-              f"phase times are per batched step. {compile_note(first, config)} Plain batched generate's row-steps "
-              f"spent on rows that had already stopped: {finished}."]
+              f"draft, refine and verify ms are per batched step{PHASES_NOTE} {compile_note(first, config)} Plain "
+              f"batched generate's row-steps spent on rows that had already stopped: {finished}."]
     if sampled:
-        lines.append(sampling_note(config["temperature"], "rows"))
+        checks = [e.get("sampling_check") for summary in result["curve"].values() for e in summary.values()]
+        lines.append(sampling_note(config["temperature"], "rows") + sampling_power_note(checks))
     return "\n".join(lines)
 
 

@@ -144,7 +144,7 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
     `base_model`: the causal LM the diffusion LM was adapted from, when given in memory."""
     from tqdm.auto import tqdm
 
-    from .bench import NEAR_TIE_ULPS, _environment, prompt_ids, prompt_messages
+    from .bench import NEAR_TIE_ULPS, _environment, data_folder, prompt_ids, prompt_messages, torch_dtype
     from .candidates import synchronize
     from .diffusion import AutoDiffusionLM, diffusion_generate
     from .diffusion.adapter_weights import load_base, named_base
@@ -158,7 +158,7 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
     if list(config.batch_size) != [1]:
         raise ValueError(f"Diffusion benchmarks decode prompt by prompt; drop --batch-size {config.batch_size} (the "
                          "batch curve measures the autoregressive speculative methods).")
-    dtype = getattr(torch, config.dtype)
+    dtype = torch_dtype(config.dtype)
     if model is None:
         from .embedded import default_diffusion_lm_path
 
@@ -190,6 +190,7 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
             raise ValueError("Spiffy methods need --draft-graph (a folder holding spiffy_graph.json).")
         graph = DraftGraph.from_pretrained(config.draft_graph or config.target)
     rows = _rows_not_used_for_calibration(config, graph)
+    data_dir = data_folder(config)  # recorded: the folder the prompts were read from
     if not rows:
         raise ValueError(f"No prompts to measure (limit={config.limit}, datasets {list(config.datasets)}, the graph's "
                          "calibration prompts left out): raise --limit or bench other datasets.")
@@ -256,7 +257,8 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
             bar.update(1)
     bar.close()
     datasets = list(dict.fromkeys(r["dataset"] for r in records))
-    return {"config": _config_dict(config), "environment": _environment(model, config, tokenizer=tokenizer),
+    return {"config": _config_dict(config),
+            "environment": _environment(model, config, tokenizer=tokenizer, data_dir=data_dir),
             "runs": methods,
             "summary": summarize_diffusion(records, methods),
             "by_dataset": {d: summarize_diffusion([r for r in records if r["dataset"] == d], methods)

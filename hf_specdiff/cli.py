@@ -144,13 +144,17 @@ def demo(prompt: str, max_new_tokens: int, speculator_path: str | None, device: 
     from .bench import BenchConfig, _lossless_check, timed_generate
 
     speculator = hf_specdiff.AutoSpeculator.from_pretrained(speculator_path or hf_specdiff.default_speculator_path())
+    block_size = speculator.drafter.config.block_size
+    if num_draft_tokens is not None and not 1 <= num_draft_tokens < block_size:  # before the target loads
+        raise SystemExit(f"--num-draft-tokens {num_draft_tokens}: the speculator's blocks of {block_size} slots offer "
+                         f"1 to {block_size - 1} drafts.")
     print("Loading SmolLM2-135M-Instruct (embedded; the first run dequantizes it once) ...", flush=True)
     target, tokenizer = hf_specdiff.load_default_target(device=device)
     hf_specdiff.enable(target)
     speculator = speculator.to(device=device, dtype=target.dtype)
     if num_draft_tokens is None and torch.device(device).type == "cpu":
         num_draft_tokens = CPU_DEMO_DRAFTS
-    drafts = num_draft_tokens or speculator.drafter.config.block_size - 1
+    drafts = num_draft_tokens or block_size - 1
     inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True).to(device)
     print(f"\n> {prompt}\n")
@@ -275,32 +279,73 @@ def export(args) -> None:
                          "`hf-specdiff train` or `hf-specdiff train-diffusion`.")
 
 
-def _bench_table(path: str | None, kind: str) -> str | None:
-    """The Markdown table of the `--bench-json` result for the card, read and checked before anything is written (a
-    typo must not leave a half export)."""
+def _quoted_bench(args, kind: str, measured_folders: tuple = ()) -> tuple[str, str]:
+    """(the card's Measured table, the command that reproduces it) from `--bench-json`, read and checked before
+    anything is written (a typo must not leave a half export). The command is `--bench-command`, else the one the
+    result's recorded config implies. `measured_folders`: where the exported model may have been benched from; a
+    result that names another folder is warned of (the card would quote another model's figures)."""
     from pathlib import Path
 
     from .bench import markdown_table
     from .bench_diffusion import diffusion_markdown_table
 
+    path = args.bench_json
     if path is None:
-        return None
+        return "Not benchmarked yet.", args.bench_command or "hf-specdiff bench"
     try:
         result = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise SystemExit(f"--bench-json {path}: cannot read it as JSON ({error}).") from error
     not_a_bench = SystemExit(f"--bench-json {path} is not a `hf-specdiff bench --json` result of one batch size.")
     summary = result.get("summary") if isinstance(result, dict) else None
-    if not isinstance(summary, dict) or result.get("kind") == "batch_curve":
+    if not isinstance(summary, dict) or result.get("kind") == "batch_curve" or not isinstance(result.get("config"),
+                                                                                              dict):
         raise not_a_bench
     diffusion = any("nfe" in run for run in summary.values() if isinstance(run, dict))
     if diffusion != (kind == "diffusion LM"):
         found = "a diffusion LM bench" if diffusion else "a speculator bench"
         raise SystemExit(f"--bench-json {path} is {found}; this export is of a {kind}: pass that run's bench.")
     try:  # the card's table is what the export needs from it
-        return (diffusion_markdown_table if diffusion else markdown_table)(result)
+        table = (diffusion_markdown_table if diffusion else markdown_table)(result)
     except (KeyError, TypeError, IndexError, ValueError, AttributeError) as error:
         raise not_a_bench from error
+    recorded = dict(result["config"])
+    option = "speculator" if kind == "speculator" else "target"
+    benched = (result.get("environment") or {}).get(option)
+    if isinstance(benched, str) and Path(benched).is_dir():
+        if Path(benched).resolve() in {Path(folder).resolve() for folder in measured_folders}:
+            recorded[option] = THIS_MODEL  # (a path on the exporting machine: the card's reader has the model)
+        else:
+            print(f"warning: --bench-json {path} measured the {kind} in {benched}, not this run's: the card quotes "
+                  "its figures as this model's. Bench this run's (or the exported folder), or drop --bench-json.",
+                  file=sys.stderr)
+    return table, args.bench_command or bench_command_line(recorded)
+
+
+# what a card's bench command names the model it describes by
+THIS_MODEL = "path/to/this/model"
+
+
+def bench_command_line(recorded: dict) -> str:
+    """The `hf-specdiff bench` command that reproduces a result from the config it recorded: each option it set to
+    other than the default (where it wrote its outputs, and the device, aside)."""
+    import shlex
+
+    from .bench import BenchConfig
+
+    defaults = dataclasses.asdict(BenchConfig())
+    words = ["hf-specdiff", "bench"]
+    for name, value in recorded.items():
+        if name in ("json", "markdown", "plots", "device") or name not in defaults or value == defaults[name]:
+            continue
+        if name == "datasets" and recorded.get("prompts"):  # ("custom": the --prompts file's)
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else f"--no-{name.replace('_', '-')}")
+        else:
+            words += [flag, *map(str, value if isinstance(value, list) else ["none" if value is None else value])]
+    return shlex.join(words)
 
 
 # the distill corpus EMBEDDED_DATA_DESCRIPTION describes, as the run's train_config.json records its files
@@ -374,12 +419,13 @@ def export_speculator(args) -> None:
     base_model = _card_base_model(args, target, embedded)
     card_license = _card_license(args, base_model)
     text = _card_text(args, base_model, train_config)
-    measured = _bench_table(args.bench_json, "speculator") or "Not benchmarked yet."
+    measured, bench_command = _quoted_bench(args, "speculator", (run / "speculator", args.output))
     speculator = AutoSpeculator.from_pretrained(run / "speculator").to(getattr(torch, args.dtype))
     saved = run / SAVED_STEP_FILE
     log = log_of_saved_weights(load_train_log(run), json.loads(saved.read_text())["step"] if saved.is_file() else None)
     last_eval = next((r for r in reversed(log) if any(k.startswith("tau_") for k in r)), {})
     estimate = ", ".join(f"{k[4:]} {v:.2f}" for k, v in last_eval.items() if k.startswith("tau_")) or "not measured"
+    (Path(args.output) / "README.md").unlink(missing_ok=True)  # the card written below replaces an earlier export's
     speculator.save_pretrained(args.output)
     title = args.title or SPECULATOR_TITLE.format(name=base_model.split("/")[-1],
                                                   block_size=speculator.drafter.config.block_size)
@@ -388,7 +434,7 @@ def export_speculator(args) -> None:
         "license": card_license, **text,
         "train_steps": f"{log[-1]['step'] if log else 0:,}",
         "holdout_estimate": f"{estimate} (step {last_eval.get('step', '-')})", "measured": measured,
-        "bench_json": args.bench_json, "bench_command": args.bench_command, "limitations": args.limitations,
+        "bench_json": args.bench_json, "bench_command": bench_command, "limitations": args.limitations,
         "storage_dtype": args.dtype, "earlier_training": args.earlier_training,
     })
     write_model_card(args.output, card)
@@ -425,7 +471,7 @@ def export_diffusion(args) -> None:
     base_model = _card_base_model(args, base, base in (None, EMBEDDED_BASE))
     card_license = _card_license(args, base_model)
     text = _card_text(args, base_model, train_config)
-    measured = _bench_table(args.bench_json, "diffusion LM") or "Not benchmarked yet."
+    measured, bench_command = _quoted_bench(args, "diffusion LM", (run / "diffusion_lm", args.output))
     weights = {name: t.to(getattr(torch, args.dtype)).contiguous()
                for name, t in load_file(source / WEIGHTS_NAME).items()}
     output.mkdir(parents=True, exist_ok=True)
@@ -445,7 +491,7 @@ def export_diffusion(args) -> None:
                                        train_config, log, graph, {
         "title": args.title or DIFFUSION_TITLE.format(name=base_model.split("/")[-1]), "base_model": base_model,
         "license": card_license, "graph_stale": graph_stale, **text, "measured": measured,
-        "bench_json": args.bench_json, "bench_command": args.bench_command, "limitations": args.limitations,
+        "bench_json": args.bench_json, "bench_command": bench_command, "limitations": args.limitations,
         "storage_dtype": args.dtype, "earlier_training": args.earlier_training,
     })
     write_model_card(output, card)
@@ -543,8 +589,9 @@ def _check_demo_flags(args: argparse.Namespace) -> None:
                          "--model and --draft-graph.")
     given = [flag for flag, value in diffusion_only.items() if value is not None]
     if not args.diffusion and given:
-        raise SystemExit(f"{', '.join(given)} apply to `hf-specdiff demo --diffusion` only: add --diffusion or drop "
-                         "them.")
+        apply, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
+        raise SystemExit(f"{', '.join(given)} {apply} to `hf-specdiff demo --diffusion` only: add --diffusion or drop "
+                         f"{them}.")
 
 
 def _dataclass_options(module: str, config_class: str):
@@ -584,8 +631,8 @@ def _export_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="the stored weights' dtype (default: bfloat16)")
     parser.add_argument("--bench-json", help="a `hf-specdiff bench --json` result to quote in the card")
-    parser.add_argument("--bench-command", default="hf-specdiff bench", help="the command the card quotes for "
-                        "reproducing --bench-json (default: hf-specdiff bench)")
+    parser.add_argument("--bench-command", default=None, help="the command the card quotes for reproducing "
+                        "--bench-json (default: the `hf-specdiff bench` options the result recorded)")
     parser.add_argument("--template", default=None, help="the model card's template (default: "
                         "model_cards/speculator.md or model_cards/diffusion_lm.md)")
     parser.add_argument("--base-model", default=None, help="the card's base_model (default: the target or base the run "
@@ -620,14 +667,23 @@ def draft_vocab(args) -> None:
     speculator's weights, and say how much of the answers they cover."""
     from pathlib import Path
 
-    from transformers import GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
+    from ._hub import check_folder_or_repo_id, find_file
     from .draft_vocab import top_tokens
     from .embedded import default_target_path
     from .bench import json_lines
     from .speculator import saved_vocab_size, write_draft_vocab
 
+    folder = Path(args.speculator)
+    if (folder / "speculator").is_dir() and not (folder / "config.json").is_file():
+        raise SystemExit(f"{folder} is a training run's folder: give its speculator ({folder / 'speculator'}) or an "
+                         "export of it.")
     saved_vocab_size(args.speculator)  # a folder without a speculator is refused before the data is read
+    target = args.target or str(default_target_path())
+    check_folder_or_repo_id(target, "target")  # (before: the Hub was asked for a folder that holds no model)
+    find_file(target, "config.json", "target", "Point --target at the target's folder (config.json beside its "
+              "weights), or leave it out for the embedded SmolLM2-135M-Instruct.")
     answers = []
     for path in args.data:
         for _, where, row in json_lines(path, '{"response_ids": [1, 2, 3]}'):
@@ -635,10 +691,17 @@ def draft_vocab(args) -> None:
             if not isinstance(answer, list) or any(type(t) is not int for t in answer):  # 2.7 is no token id
                 raise ValueError(f"{where} is not a distill row with integer `response_ids` (a list of token ids).")
             answers.append(answer)
-    eos = GenerationConfig.from_pretrained(args.target or default_target_path()).eos_token_id
+    try:
+        eos = GenerationConfig.from_pretrained(target).eos_token_id
+    except OSError:  # no generation_config.json: the model config's
+        eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(target)).eos_token_id
     vocab = top_tokens(answers, args.size, always=eos)
     write_draft_vocab(args.speculator, vocab)
-    share_like_umask(Path(args.speculator))  # safetensors writes 0600: readable by whoever publishes or uses it
+    share_like_umask(folder)  # safetensors writes 0600: readable by whoever publishes or uses it
+    if (folder / "README.md").is_file():
+        print(f"warning: {folder / 'README.md'} (the model card) still describes the draft vocabulary and the figures "
+              "measured before; bench the speculator again and rewrite the card (`hf-specdiff export --bench-json`), "
+              "or edit it.", file=sys.stderr)
     kept = set(vocab.tolist())
     covered = sum(token in kept for answer in answers for token in answer) / sum(map(len, answers))
     print(f"wrote a draft vocabulary of {len(vocab)} tokens to {args.speculator}: {covered:.1%} of the "
@@ -737,11 +800,18 @@ def console_main(argv: list[str] | None = None) -> int:
     """The `hf-specdiff` entry point: a user's mistake (a bad option value, a missing file or package) ends with its
     message on one line instead of a traceback; HF_SPECDIFF_TRACEBACK=1 shows the traceback too."""
     import os
+    import warnings
 
+    # a warning is about the command, as an error is: said on a line of its own, not at a line of the library
+    formatwarning = warnings.formatwarning
+    if os.environ.get("HF_SPECDIFF_TRACEBACK") != "1":
+        warnings.formatwarning = lambda message, category, *_, **__: f"hf-specdiff: {category.__name__}: {message}\n"
     try:
         return main(argv)
     except (ValueError, OSError, ImportError) as error:
         if os.environ.get("HF_SPECDIFF_TRACEBACK") == "1":
             raise
         raise SystemExit(f"hf-specdiff: {type(error).__name__}: {error}") from None
+    finally:
+        warnings.formatwarning = formatwarning
 

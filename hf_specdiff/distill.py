@@ -114,21 +114,21 @@ def read_prompt_file(path: str) -> list[tuple[str, Prompt]]:
 def collect_prompts(config: DistillConfig) -> list[tuple[str, Prompt]]:
     """[(id, prompt)]: `limit` prompts per source (0: all) in a seeded order. Every source is read here, so a bad
     name, path, data folder or line fails before any model loads."""
-    from .bench import find_data_dir
+    from .bench import find_data_dir, json_lines
 
     check_distill_config(config)
     prompts = []
     for source in config.sources:
         if source == "gsm8k":
-            try:
-                train = find_data_dir(config.data_dir) / "gsm8k" / "train.jsonl"
+            try:  # GSM8K's train split, one JSON object per line: only it need be in the data folder
+                train = find_data_dir(config.data_dir, ("gsm8k/train.jsonl",)) / "gsm8k" / "train.jsonl"
             except FileNotFoundError as error:
                 raise FileNotFoundError(f"--sources gsm8k: {error} Or drop gsm8k from --sources.") from None
-            if not train.is_file():
-                raise FileNotFoundError(f"--sources gsm8k needs {train} (GSM8K train, one JSON object per line): add "
-                                        "it, point --data-dir at a folder that has it, or drop gsm8k from --sources.")
-            rows = train.read_text().splitlines()
-            found = [(f"gsm8k-train-{i}", json.loads(r)["question"]) for i, r in enumerate(rows) if r.strip()]
+            found = []
+            for number, where, row in json_lines(train, '{"question": "...", "answer": "..."}'):
+                if not isinstance(row, dict) or not isinstance(row.get("question"), str):
+                    raise ValueError(f"{where} is not a GSM8K row: it needs a `question` string.")
+                found.append((f"gsm8k-train-{number - 1}", row["question"]))  # (ids count lines from 0)
         elif source == "sharegpt":
             found = list(sharegpt_first_turns(4 * (config.limit or 0) or None))  # drawn from the first 4 * limit
         elif Path(source).exists():  # a file, or a folder that read_prompt_file refuses as one

@@ -959,15 +959,28 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
     passes (xpress only); `num_draft_tokens=k` verifies only the first k drafts of each block. Every other argument
     is `generate`'s own (see `transformers.GenerationMixin.generate`). Without `speculation=` the call goes to that
     method (an hf_specdiff speculator there needs `speculation_type="dflash"`, transformers' native dFlash path).
+    `speculation`, `num_jacobi_passes` and `num_draft_tokens` may also be set in a `GenerationConfig` (the one passed,
+    else the model's), as `generate`'s own options may; the call's values win.
     """
     from .speculator import Speculator
 
     generate = type(model).generate
     args, kwargs = _arguments_by_name(generate, args, kwargs)
     assistant_model = kwargs.pop("assistant_model", None)
+    # The call's options, else those set in its GenerationConfig (or the model's), as `generate` reads its own:
+    # transformers' `speculation_type`, and hf_specdiff's options kept there as custom entries
+    config = _effective_generation_config(model, kwargs)
+    speculation_type = kwargs["speculation_type"] if "speculation_type" in kwargs else getattr(
+        config, "speculation_type", None)
+    speculation = speculation if speculation is not None else getattr(config, "speculation", None)
+    # a config's Jacobi passes, like its options for other modes, apply where their method runs
+    if num_jacobi_passes is None and speculation == "xpress":
+        num_jacobi_passes = getattr(config, "num_jacobi_passes", None)
+    if num_draft_tokens is None:
+        num_draft_tokens = getattr(config, "num_draft_tokens", None)
     if speculation is None:
         if isinstance(assistant_model, Speculator):
-            if kwargs.get("speculation_type") != "dflash":
+            if speculation_type != "dflash":
                 raise ValueError(
                     "An hf_specdiff speculator was passed as `assistant_model` without `speculation`: add "
                     f"speculation= one of {SPECULATION_METHODS} (or speculation_type='dflash' for transformers' "
@@ -975,7 +988,6 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
                 )
             assistant_model.check_compatible(model, "dflash")  # transformers would fail deep inside, if at all
             _check_native_dflash_target(model)
-            config = _effective_generation_config(model, kwargs)
             if (kwargs.get("num_beams") or config.num_beams or 1) > 1:  # transformers only warns, and decodes greedily
                 raise ValueError("transformers' native dFlash path (speculation_type='dflash') does not do beam "
                                  "search: set num_beams=1, or generate without the speculator.")
@@ -983,7 +995,7 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
         else:
             from .dflash import DFlashDraftModel
 
-            if isinstance(assistant_model, DFlashDraftModel) and kwargs.get("speculation_type") != "dflash":
+            if isinstance(assistant_model, DFlashDraftModel) and speculation_type != "dflash":
                 raise ValueError(
                     "An hf_specdiff drafter (DFlashDraftModel) was passed as `assistant_model` without "
                     "speculation_type='dflash': add speculation_type='dflash' (transformers' native dFlash path), or "
@@ -1007,8 +1019,10 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
             "hf_specdiff.AutoSpeculator.from_pretrained(path)), got "
             f"{type(assistant_model).__name__ if assistant_model is not None else None}."
         )
-    if kwargs.get("speculation_type") is not None:
-        raise ValueError("Pass either `speculation` (hf_specdiff) or `speculation_type` (transformers), not both.")
+    if speculation_type is not None:
+        where = "" if "speculation_type" in kwargs else " (set in the generation config)"
+        raise ValueError(f"Pass either `speculation` (hf_specdiff) or `speculation_type` (transformers){where}, not "
+                         "both.")
     if is_deepspeed_zero3_enabled():
         raise ValueError(
             "speculation=... drafts with the target's token embeddings and lm_head outside its forward, where "
@@ -1045,7 +1059,7 @@ def _speculative_generate(model, *args, speculation=None, num_jacobi_passes=None
     _check_position_ids(kwargs)
     # before `generate` starts: it heals tokens (token_healing) and builds the cache (an offloaded one already fails
     # on some machines) before it hands over to the loop
-    generation_config = _effective_generation_config(model, kwargs)
+    generation_config = config
     for name in (*_UNSUPPORTED_MODES, "top_k", "cache_implementation"):  # kwargs override the config, as in generate
         if name in kwargs:
             setattr(generation_config, name, kwargs[name])

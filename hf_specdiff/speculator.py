@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -29,10 +30,12 @@ from ._hub import (
     SAVED_FOLDER,
     UPLOAD_OPTIONS,
     check_folder_or_repo_id,
+    check_repo_id,
     find_file,
     split_push_options,
     take_dtype,
     upload_folder,
+    usual_modes,
 )
 from ._warnings import warn_at_caller
 from .dflash import DFlashConfig, DFlashDraftModel, embedding_sample, full_attention_rope_parameters, spread_layer_ids
@@ -46,6 +49,9 @@ FORMAT = "hf_specdiff.speculator"
 FORMAT_VERSION = 1
 _COMPONENTS = {"refiner": XPressRefiner, "markov_head": MarkovHead}
 _SAVE_OPTIONS = ("max_shard_size", "variant", "safe_serialization")  # passed to each part's save_pretrained
+# the files a part's save_pretrained writes (weights in shards or not, of a variant or not): removed when a speculator
+# saved over another has no such part any more
+_PART_FILES = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index*.json")
 
 
 class Speculator(nn.Module):
@@ -193,24 +199,37 @@ class Speculator(nn.Module):
     # ------------------------------------------------------------------------------------------------------------
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs) -> None:
-        """Write the drafter at the top level (z-lab layout) and each add-on in its own subfolder. `push_to_hub=True`
-        then uploads the folder as one commit (`repo_id`, default: the folder's name, and the commit options of
-        transformers' `push_to_hub`: `commit_message`, `commit_description`, `private`, `token`, `revision`,
-        `create_pr`); `max_shard_size`, `variant` and `safe_serialization` go to each part's `save_pretrained`."""
+        """Write the drafter at the top level (z-lab layout) and each add-on in its own subfolder, removing the add-ons
+        and draft vocabulary a speculator saved there before had and this one has not. `push_to_hub=True` then uploads
+        the folder as one commit (`repo_id`, default: the folder's name, and the commit options of transformers'
+        `push_to_hub`: `commit_message`, `commit_description`, `private`, `token`, `revision`, `create_pr`);
+        `max_shard_size` and `variant` go to each part's `save_pretrained` (a speculator saved with a `variant` loads
+        with `from_pretrained(..., variant=...)`). The weights are always safetensors: `safe_serialization=False` is
+        refused. A README.md already in the folder is kept (with a warning if the parts changed)."""
         hub = {name: kwargs.pop(name) for name in ("repo_id", *UPLOAD_OPTIONS) if name in kwargs}
         if hub and not push_to_hub:
             raise TypeError(f"{sorted(hub)} only apply with push_to_hub=True.")
         if unknown := sorted(set(kwargs) - set(_SAVE_OPTIONS)):
             raise TypeError(f"save_pretrained of a speculator got unsupported arguments {unknown}; it takes "
                             f"push_to_hub, repo_id, {', '.join(UPLOAD_OPTIONS)}, {', '.join(_SAVE_OPTIONS)}.")
+        if not kwargs.pop("safe_serialization", True):  # transformers 5 writes safetensors whatever it is told
+            raise ValueError("safe_serialization=False: speculators are saved as safetensors only (transformers 5 "
+                             "writes no other format, and would ignore the option). Drop the option.")
         save_directory = Path(save_directory)
-        self.drafter.save_pretrained(save_directory, **kwargs)
-        components = []
-        for name in _COMPONENTS:
-            part = getattr(self, name)
-            if part is not None:
-                part.save_pretrained(save_directory / name, **kwargs)
-                components.append(name)
+        if push_to_hub:  # checked before anything is written
+            what = "repo_id" if "repo_id" in hub else "repo_id (default: the folder's name)"
+            hub.setdefault("repo_id", save_directory.name)
+            check_repo_id(hub["repo_id"], what)
+        parts_before = _saved_parts(save_directory)
+        folders = [save_directory, *(save_directory / name for name in _COMPONENTS)]
+        with usual_modes(folders):
+            self.drafter.save_pretrained(save_directory, **kwargs)
+            components = []
+            for name in _COMPONENTS:
+                part = getattr(self, name)
+                if part is not None:
+                    part.save_pretrained(save_directory / name, **kwargs)
+                    components.append(name)
         from . import __version__
 
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "hf_specdiff_version": __version__,
@@ -218,25 +237,42 @@ class Speculator(nn.Module):
         (save_directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if self.draft_vocab is not None:
             write_draft_vocab(save_directory, self.draft_vocab)
+        _remove_stale_parts(save_directory, components, self.draft_vocab is not None)
+        parts = _saved_parts(save_directory)
+        card = save_directory / "README.md"
+        if card.is_file() and parts_before is not None and parts_before != parts:
+            warn_at_caller(
+                f"{card} was kept, but the speculator saved there before had other parts ({_describe(parts_before)}; "
+                f"now {_describe(parts)}): the model card may no longer describe the weights. Rewrite it "
+                f"(`hf-specdiff export --run RUN --output {save_directory}` writes the card of a training run's "
+                "speculator), edit it, or delete it."
+            )
         if push_to_hub:
             hub.setdefault("commit_message", "Upload speculator")
-            upload_folder(save_directory, hub.pop("repo_id", save_directory.name), **hub)
+            upload_folder(save_directory, hub.pop("repo_id"), **hub)
 
     def push_to_hub(self, repo_id: str, commit_message: str = "Upload speculator", **kwargs):
         """Save to a temporary folder and upload it as one commit (the options of `save_pretrained`'s
-        `push_to_hub=True`). Returns the commit info."""
+        `push_to_hub=True`). Returns the commit info. The model card is not generated by pushing: this uploads no
+        README.md (a speculator loaded and pushed as is arrives without its card; a card already in the repo stays as
+        it is), and `save_pretrained(folder, push_to_hub=True)` uploads only one the folder holds. `hf-specdiff export`
+        writes the card (of a training run's speculator); push the folder it writes."""
+        check_repo_id(repo_id)  # before the speculator is saved
         upload, save = split_push_options(kwargs, _SAVE_OPTIONS, "speculator")
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder, **save)
             return upload_folder(Path(folder), repo_id, commit_message, **upload)
 
     @classmethod
-    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, dtype=None, device=None, **hub_kwargs) -> "Speculator":
-        """Load from a local folder or a Hub repo id (offline, a repo id must already be in the local cache)."""
+    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, dtype=None, device=None, variant: str | None = None,
+                        **hub_kwargs) -> "Speculator":
+        """Load from a local folder or a Hub repo id (offline, a repo id must already be in the local cache). `variant`:
+        the one the speculator was saved with (`save_pretrained(..., variant="fp16")` writes model.fp16.safetensors),
+        read by each part's loading as transformers does."""
         from transformers.utils import cached_file
 
         path_or_repo_id = str(path_or_repo_id)
-        dtype = take_dtype(dtype, hub_kwargs, "speculator", also="dtype, device and ")
+        dtype = take_dtype(dtype, hub_kwargs, "speculator", also="dtype, device, variant and ")
         check_folder_or_repo_id(path_or_repo_id, "speculator")
         subfolder = hub_kwargs.get("subfolder") or ""  # the add-ons' subfolders extend it
         config = _read_json_object(find_file(path_or_repo_id, "config.json", "speculator", SAVED_FOLDER, **hub_kwargs))
@@ -262,11 +298,24 @@ class Speculator(nn.Module):
             )
         if manifest_file is not None:
             manifest = _read_manifest(manifest_file)
-        drafter = _load_strict(DFlashDraftModel, path_or_repo_id, dtype, **hub_kwargs)
+        try:
+            drafter = _load_strict(DFlashDraftModel, path_or_repo_id, dtype, variant=variant, **hub_kwargs)
+        except OSError as error:
+            folder = Path(path_or_repo_id, subfolder)
+            saved_variants = _weight_variants(folder) if variant is None else []
+            if saved_variants and not any((folder / name).is_file() for name in ("model.safetensors",
+                                                                                   "model.safetensors.index.json")):
+                raise OSError(
+                    f"{folder} holds the weights of variant "
+                    f"{' and '.join(map(repr, saved_variants))} only (saved with save_pretrained(..., variant=...)): "
+                    f"load them with AutoSpeculator.from_pretrained(..., variant={saved_variants[0]!r})."
+                ) from error
+            raise
         parts = {}
         for name in (manifest or {}).get("components", []):
             where = {**hub_kwargs, "subfolder": f"{subfolder}/{name}".lstrip("/")}
-            parts[name] = _load_strict(_COMPONENTS[name], path_or_repo_id, dtype, component=name, **where)
+            parts[name] = _load_strict(_COMPONENTS[name], path_or_repo_id, dtype, component=name, variant=variant,
+                                       **where)
         draft_vocab = None
         if (manifest or {}).get("draft_vocab"):
             draft_vocab = _load_draft_vocab(path_or_repo_id, manifest["draft_vocab"], drafter.config.vocab_size,
@@ -345,8 +394,47 @@ def write_draft_vocab(folder: str | os.PathLike, token_ids: torch.LongTensor) ->
     manifest_path = folder / MANIFEST
     manifest = _read_manifest(str(manifest_path)) if manifest_path.is_file() else {
         "format": FORMAT, "format_version": FORMAT_VERSION, "components": []}
-    save_file({"token_ids": token_ids.detach().cpu().long().contiguous()}, folder / DRAFT_VOCAB_FILE)
+    with usual_modes([folder]):
+        save_file({"token_ids": token_ids.detach().cpu().long().contiguous()}, folder / DRAFT_VOCAB_FILE)
     manifest_path.write_text(json.dumps({**manifest, "draft_vocab": DRAFT_VOCAB_FILE}, indent=2) + "\n")
+
+
+def _weight_variants(folder: Path) -> list[str]:
+    """The variants whose weights a local `folder` holds (model.fp16.safetensors, model.fp16-00001-of-00002.safetensors,
+    model.safetensors.index.fp16.json: transformers' names); none for a Hub repo id."""
+    pattern = re.compile(r"model\.(.+?)(?:-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.(.+)\.json")
+    found = (pattern.fullmatch(path.name) for path in folder.glob("model*")) if folder.is_dir() else ()
+    return sorted({match[1] or match[2] for match in found if match})
+
+
+def _saved_parts(folder: Path) -> set[str] | None:
+    """The add-ons and draft vocabulary of the speculator saved in `folder`, as on disk; None if no drafter is there."""
+    if not (folder / "config.json").is_file():
+        return None
+    parts = {name for name in _COMPONENTS if (folder / name / "config.json").is_file()}
+    return parts | {"draft_vocab"} if (folder / DRAFT_VOCAB_FILE).is_file() else parts
+
+
+def _describe(parts: set[str]) -> str:
+    return ", ".join(["drafter", *sorted(parts)])
+
+
+def _remove_stale_parts(folder: Path, components: list[str], has_draft_vocab: bool) -> None:
+    """Remove what a speculator saved in `folder` before left there and the one just saved has not: the files of an
+    add-on it does not have (their folder too, unless someone's other files are in it) and the draft vocabulary.
+    Loading would ignore them (speculator.json no longer lists them), but they would be copied and pushed with the
+    folder, as transformers avoids for stale weight shards."""
+    for name in set(_COMPONENTS) - set(components):
+        part_folder = folder / name
+        if not part_folder.is_dir():
+            continue
+        for pattern in _PART_FILES:
+            for path in part_folder.glob(pattern):
+                path.unlink()
+        if not any(part_folder.iterdir()):
+            part_folder.rmdir()
+    if not has_draft_vocab:
+        (folder / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
 
 
 def _load_draft_vocab(path_or_repo_id: str, filename: str, vocab_size: int, **hub_kwargs) -> torch.LongTensor:
@@ -408,9 +496,11 @@ def _read_manifest(path: str) -> dict:
     return manifest
 
 
-def _load_strict(model_class, path_or_repo_id: str, dtype, component: str | None = None, **kwargs):
+def _load_strict(model_class, path_or_repo_id: str, dtype, component: str | None = None, variant: str | None = None,
+                 **kwargs):
     """`from_pretrained` that refuses missing or unexpected weights instead of initialising them randomly.
-    `component`: the add-on speculator.json lists, whose folder must then be complete."""
+    `component`: the add-on speculator.json lists, whose folder must then be complete; `variant`: of the weights
+    files (`cached_file`, which finds the config, takes none)."""
     from transformers.utils import cached_file
 
     if component is not None and cached_file(path_or_repo_id, "config.json",
@@ -418,7 +508,8 @@ def _load_strict(model_class, path_or_repo_id: str, dtype, component: str | None
         raise OSError(f"speculator.json in {path_or_repo_id} lists `{component}`, but "
                       f"{kwargs['subfolder']}/config.json is missing. Download or save the speculator again.")
     try:
-        model, info = model_class.from_pretrained(path_or_repo_id, dtype=dtype, output_loading_info=True, **kwargs)
+        model, info = model_class.from_pretrained(path_or_repo_id, dtype=dtype, output_loading_info=True,
+                                                  variant=variant, **kwargs)
     except OSError as error:
         if component is None:
             raise

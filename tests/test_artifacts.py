@@ -228,6 +228,19 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
     main(fresh + ["--bench-json", str(results / "smollm2-135m-cpu" / "bench.json"), "--bench-command", "bench x"])
     card = (tmp_path / "fresh" / "README.md").read_text()
     assert "| xpress" in card and "bench x" in card
+    # without --bench-command the card quotes the options the result recorded (before: a bare `hf-specdiff bench`,
+    # the default run, not the one measured), naming this model, not a path on the exporting machine
+    benched = json.loads((results / "smollm2-135m-cpu" / "bench.json").read_text())
+    benched["environment"]["speculator"] = str(run / "speculator")
+    (tmp_path / "ours.json").write_text(json.dumps(benched))
+    main(fresh + ["--bench-json", str(tmp_path / "ours.json")])
+    assert ("Reproduce: `hf-specdiff bench --datasets gsm8k humaneval mt_bench --limit 6 --max-new-tokens 96 "
+            "--speculator path/to/this/model`") in (tmp_path / "fresh" / "README.md").read_text()
+    capsys.readouterr()
+    benched["environment"]["speculator"] = str(tmp_path)  # another model's bench: said
+    (tmp_path / "other.json").write_text(json.dumps(benched))
+    main(fresh + ["--bench-json", str(tmp_path / "other.json")])
+    assert f"measured the speculator in {tmp_path}, not this run's" in capsys.readouterr().err
     assert card_limitations(card).startswith("Acceptance and speed were measured only as under Measured.")
     assert "for my-org/my-llama only" in card_limitations(card)
     main(fresh + ["--limitations", "Trained for a day only."])  # the exporter's own words replace the default
@@ -405,7 +418,8 @@ def test_from_pretrained_takes_torch_dtype_and_refuses_what_it_would_drop(tmp_pa
     with pytest.raises(TypeError, match="Pass dtype= or torch_dtype=, not both"):
         AutoSpeculator.from_pretrained(tmp_path, dtype=torch.float16, torch_dtype=torch.float32)
     for option in ("device_map", "attn_implementation"):
-        with pytest.raises(TypeError, match=rf"unsupported arguments \['{option}'\]; it takes dtype, device and"):
+        with pytest.raises(TypeError,
+                           match=rf"unsupported arguments \['{option}'\]; it takes dtype, device, variant and"):
             AutoSpeculator.from_pretrained(tmp_path, **{option: "cpu" if option == "device_map" else "eager"})
 
 
@@ -511,3 +525,110 @@ def test_a_speculator_whose_manifest_cannot_be_read_is_not_loaded_as_a_bare_draf
     write_zlab_checkpoint(tmp_path / "zlab")
     bare = AutoSpeculator.from_pretrained(tmp_path / "zlab")
     assert bare.refiner is None and bare.markov_head is None
+
+
+def test_a_speculator_saved_with_a_variant_loads_with_it(tmp_path):
+    """`save_pretrained(..., variant="fp16")` writes model.fp16.safetensors (sharded too) in every part: it loads with
+    `variant="fp16"`, and without it the error names the variant to pass (before: "no file named model.safetensors",
+    and `variant=` refused)."""
+    speculator = make_speculator(make_target())
+    speculator.save_pretrained(tmp_path, variant="fp16", max_shard_size="100KB")
+    assert (tmp_path / "markov_head" / "model.fp16.safetensors").is_file()
+    assert (tmp_path / "model.safetensors.index.fp16.json").is_file() and not (tmp_path / "model.safetensors").exists()
+    loaded = AutoSpeculator.from_pretrained(tmp_path, variant="fp16")
+    for name in ("drafter", "refiner", "markov_head"):
+        ours, theirs = getattr(speculator, name).state_dict(), getattr(loaded, name).state_dict()
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
+    with pytest.raises(OSError, match=r"variant 'fp16' only .*\.from_pretrained\(\.\.\., variant='fp16'\)"):
+        AutoSpeculator.from_pretrained(tmp_path)
+
+
+def test_saving_over_a_speculator_removes_the_parts_it_no_longer_has(tmp_path, monkeypatch):
+    """The shipped speculator loaded, its refiner and draft vocabulary dropped, saved over a copy of its folder: the
+    refiner's folder and draft_vocab.safetensors are gone (nor pushed), the Markov head stays, and the model card is
+    kept with a warning at the caller's line that it may no longer describe the weights."""
+    import shutil
+    import warnings
+
+    from huggingface_hub import HfApi
+
+    uploads = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kwargs: repo_id)
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, repo_id, folder_path, **kwargs: uploads.append(
+        sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file())))
+    folder = tmp_path / "speculator"
+    shutil.copytree(hf_specdiff.default_speculator_path(), folder)
+    assert {"refiner", "markov_head", "draft_vocab.safetensors", "README.md"} <= {p.name for p in folder.iterdir()}
+    speculator = AutoSpeculator.from_pretrained(folder)
+    speculator.refiner = None
+    speculator.draft_vocab = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        speculator.save_pretrained(folder, push_to_hub=True, repo_id="me/speculator")
+    [warning] = [w for w in caught if "README.md" in str(w.message)]
+    assert "may no longer describe the weights" in str(warning.message) and "hf-specdiff export" in str(warning.message)
+    assert warning.filename == __file__
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    assert files == ["README.md", "config.json", "markov_head/config.json", "markov_head/model.safetensors",
+                     "model.safetensors", "speculator.json"]
+    assert uploads == [files]
+    loaded = AutoSpeculator.from_pretrained(folder)
+    assert loaded.refiner is None and loaded.draft_vocab is None and loaded.markov_head is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same parts saved again: the card is no staler than it was
+        loaded.save_pretrained(folder)
+
+
+def test_safe_serialization_false_is_refused(tmp_path):
+    """transformers 5 writes safetensors whatever `safe_serialization` says: False is refused rather than ignored,
+    True (what is written anyway) is accepted."""
+    speculator = make_speculator(make_target())
+    for save in (lambda: speculator.save_pretrained(tmp_path / "a", safe_serialization=False),
+                 lambda: speculator.push_to_hub("me/spec", safe_serialization=False)):
+        with pytest.raises(ValueError, match="safe_serialization=False: speculators are saved as safetensors only"):
+            save()
+    assert not (tmp_path / "a").exists()
+    speculator.save_pretrained(tmp_path / "b", safe_serialization=True)
+    assert (tmp_path / "b" / "model.safetensors").is_file()
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX file modes")
+def test_saved_files_get_the_modes_the_umask_gives(tmp_path):
+    """safetensors 0.8 writes through a temporary file created 0600: every file `save_pretrained` and
+    `write_draft_vocab` write gets the umask's mode like config.json, and a file saved 0600 before is repaired."""
+    from hf_specdiff.speculator import write_draft_vocab
+
+    speculator = make_speculator(make_target())
+    speculator.draft_vocab = torch.arange(20)
+    umask = os.umask(0o027)
+    try:
+        speculator.save_pretrained(tmp_path)
+        modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for p in tmp_path.rglob("*") if p.is_file()}
+        assert "refiner/model.safetensors" in modes and set(modes.values()) == {0o640}, modes
+        (tmp_path / "model.safetensors").chmod(0o600)
+        speculator.save_pretrained(tmp_path)
+        write_draft_vocab(tmp_path, torch.arange(30))
+        assert {p.stat().st_mode & 0o777 for p in tmp_path.rglob("*") if p.is_file()} == {0o640}
+    finally:
+        os.umask(umask)
+
+
+def test_push_to_hub_refuses_a_bad_repo_id_before_saving(tmp_path, monkeypatch):
+    """An empty or malformed repo id (or a folder name that is not one, the default) is refused saying what a repo id
+    looks like, before anything is saved or sent to the Hub."""
+    from huggingface_hub import HfApi
+
+    calls = []
+    for method in ("create_repo", "create_branch", "upload_folder"):
+        monkeypatch.setattr(HfApi, method, lambda self, *args, method=method, **kwargs: calls.append(method))
+    speculator = make_speculator(make_target())
+    saves = []
+    monkeypatch.setattr(speculator.drafter, "save_pretrained", lambda *args, **kwargs: saves.append(args))
+    for push in (lambda: speculator.push_to_hub(""), lambda: speculator.push_to_hub("not a valid id!!"),
+                 lambda: speculator.save_pretrained(tmp_path / "spec", push_to_hub=True, repo_id="me/a/b"),
+                 lambda: DraftGraph(nodes=[((0, 0),)], parents=[[-1]], block_length=8).push_to_hub("bad id")):
+        with pytest.raises(ValueError, match=r"is not a Hub repo id .* reads 'name' or 'namespace/name'"):
+            push()
+    with pytest.raises(ValueError, match=r"repo_id \(default: the folder's name\)='my spec' is not a Hub repo id"):
+        speculator.save_pretrained(tmp_path / "my spec", push_to_hub=True)
+    assert not saves and not calls and not any(tmp_path.iterdir())

@@ -501,3 +501,226 @@ def test_a_greedy_divergence_is_a_near_tie_within_the_dtypes_rounding(dtype, sec
     assert check["unexplained_mismatch"] == unexplained
     assert _lossless_check(reference, reference, 1, 1e-3, dtype=dtype) == {"mismatch": False,
                                                                           "unexplained_mismatch": False}
+
+
+def _write_jsonl(path: Path, rows) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_a_data_dir_needs_only_the_requested_datasets_files(tmp_path):
+    """--data-dir with only mt_bench/question.jsonl benches mt_bench (before: refused for having no gsm8k/ folder);
+    distill's gsm8k source needs the train split only."""
+    from hf_specdiff.distill import DistillConfig, collect_prompts
+
+    data = tmp_path / "dd"
+    _write_jsonl(data / "mt_bench" / "question.jsonl", [{"question_id": 81, "turns": ["Write a haiku.", "Again."]}])
+    assert load_prompts(BenchConfig(data_dir=str(data), datasets=["mt_bench"])) == [
+        ("mt_bench", [{"role": "user", "content": "Write a haiku."}])]
+    train = tmp_path / "train_only"
+    _write_jsonl(train / "gsm8k" / "train.jsonl", [{"question": "1 + 1?", "answer": "2"}])
+    assert collect_prompts(DistillConfig(sources=["gsm8k"], data_dir=str(train))) == [("gsm8k-train-0", "1 + 1?")]
+
+
+def test_a_set_hf_specdiff_data_without_the_data_is_an_error_not_passed_over(tmp_path, monkeypatch):
+    """A $HF_SPECDIFF_DATA that lacks the data used to be skipped for ./shared/data without a word: the results then
+    came from data the user had not pointed at."""
+    _write_jsonl(tmp_path / "shared" / "data" / "gsm8k" / "test.jsonl", [{"question": "1 + 1?", "answer": "2"}])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("HF_SPECDIFF_DATA", str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match=r"\$HF_SPECDIFF_DATA \(.*empty\) has no gsm8k/test\.jsonl: add it "
+                                                r"there, or point HF_SPECDIFF_DATA at a folder that has it"):
+        load_prompts(BenchConfig(datasets=["gsm8k"]))
+    monkeypatch.setenv("HF_SPECDIFF_DATA", str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=r"\$HF_SPECDIFF_DATA \(.*nowhere\) is not a folder"):
+        load_prompts(BenchConfig(datasets=["gsm8k"]))
+    monkeypatch.delenv("HF_SPECDIFF_DATA")  # unset: ./shared/data
+    assert load_prompts(BenchConfig(datasets=["gsm8k"])) == [("gsm8k", [{"role": "user", "content": "1 + 1?"}])]
+
+
+def test_the_result_records_the_data_folder_its_prompts_came_from(tmp_path, smollm):
+    target, tokenizer, speculator = smollm
+    data = tmp_path / "dd"
+    _write_jsonl(data / "mt_bench" / "question.jsonl", [{"question_id": 81, "turns": ["Name a colour."]}])
+    config = BenchConfig(data_dir=str(data), datasets=["mt_bench"], limit=1, max_new_tokens=2, methods=["ar"],
+                         device="cpu")
+    result = run_bench(config, target=target, tokenizer=tokenizer, speculator=speculator, progress=False)
+    assert result["environment"]["data_dir"] == str(data.resolve())
+    config = BenchConfig(prompts=str(_two_prompts(tmp_path)), limit=1, max_new_tokens=2, methods=["ar"], device="cpu")
+    result = run_bench(config, target=target, tokenizer=tokenizer, speculator=speculator, progress=False)
+    assert "data_dir" not in result["environment"]  # a --prompts file: the config names it
+
+
+def test_a_corrupt_or_missing_benchmark_file_is_named(tmp_path):
+    """A benchmark file's bad line is named by file:line (before: a bare JSONDecodeError), a missing file by its
+    dataset's path with what to do (before: "[Errno 2] No such file or directory")."""
+    data = tmp_path / "dd"
+    (data / "gsm8k").mkdir(parents=True)
+    (data / "gsm8k" / "test.jsonl").write_text('{"question": "1 + 1?"}\n{"question": "2 + 2?",}\n')
+    with pytest.raises(ValueError, match=r"gsm8k/test\.jsonl:2 is not JSON \(Expecting property name"):
+        load_prompts(BenchConfig(data_dir=str(data), datasets=["gsm8k"]))
+    (data / "gsm8k" / "test.jsonl").write_text('{"question": "1 + 1?"}\n{"problem": "2 + 2?"}\n')
+    with pytest.raises(ValueError, match=r"gsm8k/test\.jsonl:2 is not a gsm8k row: its prompt's fields are missing; "
+                       r'write rows like \{"question": '):  # before: KeyError: 'question', when its turn came
+        load_prompts(BenchConfig(data_dir=str(data), datasets=["gsm8k"]))
+    (data / "gsm8k" / "test.jsonl").write_text('{"question": "1 + 1?"}\n')
+    with pytest.raises(FileNotFoundError, match=r"--data-dir .*dd has no humaneval/test\.jsonl: add it there, or point "
+                                                r"--data-dir at a folder that has it\. Or drop that dataset from "
+                                                r"--datasets, or pass your own --prompts"):
+        load_prompts(BenchConfig(data_dir=str(data), datasets=["gsm8k", "humaneval"]))
+
+
+def _records(methods, prompts: int, sampled: bool) -> list[dict]:
+    """What run_bench records for `prompts` prompts, made up: dflash and xpress with statistics of our loop."""
+    records = []
+    for index in range(prompts):
+        for method in methods:
+            record = {"dataset": "custom", "prompt": index, "method": method, "seconds": 0.5, "new_tokens": 8,
+                      "compiled": False, "prefill_seconds": 0.1, "first_tokens": 1}
+            if sampled:  # each method a little below plain generate on every prompt
+                record["mean_logprob"] = -1.0 - 0.1 * index - 0.05 * (method != "ar")
+            elif method != "ar":
+                record.update(mismatch=False, unexplained_mismatch=False)
+            if method in ("dflash", "xpress"):
+                record["stats"] = {"accepted_lengths": [3, 2, 2, 1] if method == "dflash" else [4, 3, 1],
+                                   "blocks": 4, "draft_seconds": 0.003, "refine_seconds": 0.001,
+                                   "verify_seconds": 0.02, "target_forwards": 5, "prefill_seconds": 0.01,
+                                   "draft_prefill_seconds": 0.01}
+                record["accepted_at_position"] = ([4, 3, 1], [4, 4, 3])
+            records.append(record)
+    return records
+
+
+MADE_UP_ENVIRONMENT = {"device": "cpu", "device_name": "a CPU", "dtype": "float32", "torch": "2", "transformers": "5"}
+
+
+def _made_up_result(methods, prompts: int = 2, temperature: float = 0.0) -> dict:
+    from hf_specdiff.bench import recorded_config, summarize
+
+    records = _records(methods, prompts, temperature > 0)
+    summary = summarize(records, methods)
+    return {"config": recorded_config(BenchConfig(prompts="prompts.jsonl", methods=methods, limit=0,
+                                                  temperature=temperature)),
+            "environment": MADE_UP_ENVIRONMENT, "runs": methods, "summary": summary, "by_dataset": {"custom": summary},
+            "records": records}
+
+
+def _made_up_curve(methods, prompts: int, temperature: float) -> dict:
+    from hf_specdiff.bench import recorded_config
+    from hf_specdiff.bench_batched import summarize_curve
+
+    records = [{"batch_size": 1, "first_prompt": index, "method": method, "seconds": 0.5, "new_tokens": 8,
+                "rows": [{"prompt": index, "dataset": "custom", "new_tokens": 8,
+                          "mean_logprob": -1.0 - 0.1 * index - 0.05 * (method != "ar")}]}
+               for index in range(prompts) for method in methods]
+    return {"kind": "batch_curve", "config": recorded_config(BenchConfig(prompts="prompts.jsonl", methods=methods,
+                                                                         limit=0, temperature=temperature)),
+            "environment": MADE_UP_ENVIRONMENT, "runs": methods, "batch_sizes": [1],
+            "curve": {"1": summarize_curve(records, methods)},
+            "records": records}
+
+
+def test_a_sampled_run_on_too_few_prompts_says_its_test_cannot_reject():
+    """With n prompts the exact permutation test's smallest p-value is 2/2^n (0.25 for 3): below 6 prompts no p can
+    fall under 0.05, so a p of 1.00 there is no evidence of losslessness. The JSON and both tables say so."""
+    from hf_specdiff.bench_batched import batch_markdown_table
+
+    few = _made_up_result(["ar", "dflash"], prompts=3, temperature=0.8)
+    check = few["summary"]["dflash"]["sampling_check"]
+    assert check["p_value"] == pytest.approx(0.25) and check["smallest_p_value"] == pytest.approx(0.25)
+    assert check["too_few_prompts"].startswith("too few prompts (n=3) for this test to detect a difference")
+    assert "use --limit >= 6" in check["too_few_prompts"]
+    table = markdown_table(few)
+    assert "| -0.050 (p=0.25*) |" in table
+    assert "* too few prompts (n=3) for this test to detect a difference" in table and "--limit >= 6" in table
+    curve = batch_markdown_table(_made_up_curve(["ar", "dflash"], prompts=2, temperature=0.8))
+    assert "(p=0.50*)" in curve and "* too few prompts (n=2)" in curve
+    enough = _made_up_result(["ar", "dflash"], prompts=6, temperature=0.8)
+    assert enough["summary"]["dflash"]["sampling_check"]["too_few_prompts"] is None
+    assert enough["summary"]["dflash"]["sampling_check"]["p_value"] < 0.05
+    assert "too few" not in markdown_table(enough) and "*" not in markdown_table(enough)
+    assert "too few" not in batch_markdown_table(_made_up_curve(["ar", "dflash"], prompts=6, temperature=0.8))
+
+
+def test_plots_with_nothing_to_show_are_not_written(tmp_path):
+    """--methods ar --plots used to write three empty PNGs (and matplotlib's "No artists with labels" warnings)."""
+    import warnings
+
+    from hf_specdiff.bench import plot_results
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert plot_results(_made_up_result(["ar"]), tmp_path / "ar") == []
+    assert [str(w.message) for w in caught] == [
+        f"--plots {tmp_path / 'ar'}: not written, nothing to show: speedup.png (only ar ran: add another method to "
+        "--methods); accepted_lengths.png (no verify step of dflash, xpress, markov or their _static runs: none ran); "
+        "acceptance_by_position.png (no draft of dflash, xpress, markov or their _static runs was offered: none ran)."]
+    assert not (tmp_path / "ar").exists() or not list((tmp_path / "ar").iterdir())
+    with pytest.warns(UserWarning, match=r"not written, nothing to show: accepted_lengths\.png .*none ran\); "
+                                         r"acceptance_by_position\.png"):
+        written = plot_results(_made_up_result(["ar", "prompt_lookup"]), tmp_path / "lookup")
+    assert [p.name for p in written] == ["speedup.png"] and [p.name for p in (tmp_path / "lookup").iterdir()] == [
+        "speedup.png"]
+
+
+def test_plots_have_whole_block_positions_and_histograms_side_by_side(tmp_path, monkeypatch):
+    """Block positions are whole numbers (before: ticks at 1.25, 1.5, ...); the histograms of several methods stand
+    side by side, opaque (before: overlaid at alpha 0.5, blending into colours no legend entry had)."""
+    import matplotlib.figure
+
+    from hf_specdiff.bench import plot_results
+
+    saved = {}
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda figure, path, **kwargs: (saved.__setitem__(Path(path).name, figure),
+                                                        save(figure, path, **kwargs)))
+    written = plot_results(_made_up_result(["ar", "dflash", "xpress"]), tmp_path)
+    assert sorted(p.name for p in written) == ["acceptance_by_position.png", "accepted_lengths.png", "speedup.png"]
+    positions = saved["acceptance_by_position.png"].axes[0]
+    assert all(float(tick).is_integer() for tick in positions.get_xticks())
+    lengths = saved["accepted_lengths.png"].axes[0]
+    assert all(float(tick).is_integer() for tick in lengths.get_xticks())
+    bars = [(patch.get_x(), patch.get_x() + patch.get_width()) for patch in lengths.patches if patch.get_height() > 0]
+    assert len(bars) >= 4 and all(patch.get_alpha() in (None, 1.0) for patch in lengths.patches)
+    for i, (left, right) in enumerate(bars):  # no bar drawn over another
+        assert all(right <= other_left + 1e-9 or other_right <= left + 1e-9 for other_left, other_right in bars[i + 1:])
+
+
+def test_the_tables_say_phase_times_are_per_step_and_what_dflash_refines():
+    """The batch-1 footer said nothing of the unit of draft / refine / verify ms (the batched one: per batched step),
+    nor what dflash, which has no refiner, spends its refine time on."""
+    from hf_specdiff.bench_batched import batch_markdown_table
+
+    table = markdown_table(_made_up_result(["ar", "dflash"]))
+    assert "Draft, refine and verify ms are per verify step (one drafted block each), in the steady state" in table
+    assert "for dflash, which has no refiner, picking each slot's token on its own" in table
+    assert "per verify step" not in markdown_table(_made_up_result(["ar", "prompt_lookup"]))  # no phases timed
+    curve = batch_markdown_table(_made_up_curve(["ar", "dflash"], prompts=2, temperature=0.8))
+    assert "draft, refine and verify ms are per batched step, in the steady state" in curve
+    assert "for dflash, which has no refiner, picking" in curve
+
+
+def test_a_negative_tie_tolerance_or_a_dtype_the_models_do_not_run_in_is_refused_before_any_model_loads(tmp_path):
+    from hf_specdiff.bench import torch_dtype
+    from hf_specdiff.bench_diffusion import run_diffusion_bench
+    from hf_specdiff.distill import DistillConfig, check_distill_config
+
+    with pytest.raises(ValueError, match=r"--tie-tolerance must be >= 0 \(a logit gap; .*\), got -1"):
+        run_bench(BenchConfig(tie_tolerance=-1), target="not loaded")
+    with pytest.raises(ValueError, match=r"--tie-tolerance must be >= 0"):
+        run_diffusion_bench(BenchConfig(methods=["steps"], tie_tolerance=-0.5), model="not loaded")
+    refused = r"--dtype 'int8' is not a torch dtype the models run in; use float32, bfloat16 or float16"
+    with pytest.raises(ValueError, match=refused):
+        run_bench(BenchConfig(dtype="int8", prompts=str(_two_prompts(tmp_path))), target="not loaded")
+    with pytest.raises(ValueError, match=refused):
+        run_diffusion_bench(BenchConfig(methods=["steps"], dtype="int8"), model="not loaded")
+    with pytest.raises(ValueError, match=refused):  # distill and calibrate read --dtype with it too
+        check_distill_config(DistillConfig(sources=["gsm8k"], dtype="int8"))
+    for name in ("float64", "int8", "float8_e4m3fn"):
+        with pytest.raises(ValueError, match=f"--dtype '{name}' is not a torch dtype the models run in"):
+            torch_dtype(name)
+    assert [torch_dtype(name) for name in ("float32", "bfloat16", "float16")] == [torch.float32, torch.bfloat16,
+                                                                                  torch.float16]

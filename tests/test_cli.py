@@ -133,6 +133,8 @@ def test_demo_reads_the_speculator_before_loading_the_target(tmp_path, monkeypat
     monkeypatch.setattr(hf_specdiff, "load_default_target", lambda **_: pytest.fail("the target loaded first"))
     with pytest.raises(OSError, match="the folder has no config.json"):
         main(["demo", "--speculator", str(tmp_path), "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--num-draft-tokens 20: the speculator's blocks of 16 slots offer 1 to 15"):
+        main(["demo", "--num-draft-tokens", "20", "--device", "cpu"])
 
 
 def test_demo_refuses_the_other_modes_flags():
@@ -140,6 +142,9 @@ def test_demo_refuses_the_other_modes_flags():
 
     with pytest.raises(SystemExit, match="--model, --threshold apply to `hf-specdiff demo --diffusion` only"):
         main(["demo", "--threshold", "0.5", "--model", "x"])
+    with pytest.raises(SystemExit, match="--threshold applies to `hf-specdiff demo --diffusion` only: add --diffusion "
+                       "or drop it"):
+        main(["demo", "--threshold", "0.5"])
     with pytest.raises(SystemExit, match="--speculator and --num-draft-tokens are for the speculative demo"):
         main(["demo", "--diffusion", "--speculator", "x"])
     with pytest.raises(SystemExit, match="--speculator and --num-draft-tokens are for the speculative demo"):

@@ -94,6 +94,16 @@ def test_bad_prompt_sources_are_refused(tmp_path):
     bad.write_text('{"text": "x"}\n')
     with pytest.raises(ValueError, match="needs exactly one of a `prompt` string or a `messages` list"):
         collect_prompts(DistillConfig(sources=[str(bad)]))
+    # GSM8K's train split in a data folder: a bad line named by file:line (before: a bare JSONDecodeError, KeyError)
+    (tmp_path / "gsm8k").mkdir()
+    for line, message in (('{"question": "x",}', "train.jsonl:2 is not JSON"),
+                          ('{"problem": "x"}', "train.jsonl:2 is not a GSM8K row: it needs a `question` string")):
+        (tmp_path / "gsm8k" / "train.jsonl").write_text('{"question": "1 + 1?"}\n' + line + "\n")
+        with pytest.raises(ValueError, match=message):
+            collect_prompts(DistillConfig(sources=["gsm8k"], data_dir=str(tmp_path)))
+    (tmp_path / "gsm8k" / "train.jsonl").write_text('{"question": "1 + 1?"}\n\n{"question": "2 + 2?"}\n')
+    assert sorted(collect_prompts(DistillConfig(sources=["gsm8k"], data_dir=str(tmp_path), limit=0))) == [
+        ("gsm8k-train-0", "1 + 1?"), ("gsm8k-train-2", "2 + 2?")]  # ids as before: the line's index from 0
 
 
 def test_prompt_sources():
@@ -151,9 +161,10 @@ def test_limit_zero_takes_every_prompt_and_a_negative_limit_is_refused(tmp_path)
 @pytest.mark.parametrize("case, match", [
     ("unknown source", r"Unknown prompt source 'imagenet': use gsm8k, sharegpt or the path of a JSONL file"),
     ("missing file", r"missing\.jsonl: no such file.*gsm8k, sharegpt"),
-    ("missing data dir", r"--sources gsm8k: --data-dir .*nowhere has no gsm8k/ folder.*drop gsm8k"),
+    ("missing data dir", r"--sources gsm8k: --data-dir .*nowhere is not a folder.*gsm8k/train\.jsonl.*drop gsm8k"),
     ("no data found", r"--sources gsm8k: No benchmark data found.*HF_SPECDIFF_DATA.*drop gsm8k"),
-    ("no train split", r"--sources gsm8k needs .*train\.jsonl.*--data-dir"),
+    ("no train split", r"--sources gsm8k: --data-dir .*empty has no gsm8k/train\.jsonl: add it there, or point "
+                       r"--data-dir at a folder that has it\. Or drop gsm8k"),
     ("bad dtype", r"--dtype 'fp16' is not a torch dtype; use float32, bfloat16 or float16"),
     ("negative limit", r"--limit must be >= 0"),
     ("zero batch", r"--batch-size must be >= 1"),

@@ -343,3 +343,25 @@ def test_cli_writes_a_vocabulary_into_a_saved_speculator(tmp_path, capsys):
     with pytest.raises(ValueError, match="holds no saved speculator"):
         main(["draft-vocab", str(tmp_path / "target"), "--data", str(data), "--size", "3",
               "--target", str(tmp_path / "target")])
+    # a run's folder, a target folder without a model (before: the Hub was asked for it) and a card left stale: said
+    (tmp_path / "run" / "speculator").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="run is a training run's folder: give its speculator"):
+        main(["draft-vocab", str(tmp_path / "run"), "--data", str(data), "--size", "3"])
+    data.write_text("".join(json.dumps({"response_ids": answer}) + "\n" for answer in answers))
+    with pytest.raises(OSError, match="No target .*config.json.*Point --target at the target's folder"):
+        main(["draft-vocab", str(tmp_path / "speculator"), "--data", str(data), "--size", "3",
+              "--target", str(tmp_path / "run")])
+    (tmp_path / "speculator" / "README.md").write_text("An 8,192-token draft vocabulary ...")
+    capsys.readouterr()
+    main(["draft-vocab", str(tmp_path / "speculator"), "--data", str(data), "--size", "3",
+          "--target", str(tmp_path / "target")])
+    assert "README.md (the model card) still describes the draft vocabulary" in capsys.readouterr().err
+    # the command's warnings read as its errors do (before: "hf_specdiff/cli.py:639: UserWarning: ...")
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "hf_specdiff", "draft-vocab", str(tmp_path / "speculator"), "--data",
+                          str(data), "--size", "50", "--target", str(tmp_path / "target")], capture_output=True,
+                         text=True, check=True)
+    warned = [line for line in run.stderr.splitlines() if "UserWarning" in line]
+    assert warned and all(line.startswith("hf-specdiff: UserWarning: ") for line in warned), run.stderr

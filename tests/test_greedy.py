@@ -940,6 +940,40 @@ def test_native_transformers_dflash_path_with_our_drafter():
     assert torch.equal(native, plain)
 
 
+def test_speculation_options_set_in_a_generation_config_are_read_as_those_of_the_call():
+    """A GenerationConfig (passed, else the model's) may set `speculation_type` (transformers' option; before: the
+    enabled model refused it, asking for the setting it had) and hf_specdiff's `speculation`, `num_draft_tokens` and
+    `num_jacobi_passes` (before: the first refused as missing, the others ignored); the call's values win."""
+    target = hf_specdiff.enable(make_successor_target())
+    speculator = make_speculator(target, oracle=True)
+    prompt = torch.tensor([[3, 4, 5]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=12)
+    for assistant in (speculator, speculator.drafter):  # transformers' native path
+        native = GenerationConfig(do_sample=False, max_new_tokens=12, speculation_type="dflash")
+        assert torch.equal(target.generate(prompt, generation_config=native, assistant_model=assistant), plain)
+        target.generation_config.speculation_type = "dflash"
+        assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=12, assistant_model=assistant),
+                           plain)
+        with pytest.raises(ValueError, match=r"`speculation_type` \(transformers\) \(set in the generation config\), "
+                           "not both"):
+            target.generate(prompt, do_sample=False, max_new_tokens=12, assistant_model=speculator,
+                            speculation="xpress")
+        target.generation_config.speculation_type = None
+    ours = GenerationConfig(do_sample=False, max_new_tokens=12, speculation="xpress", num_draft_tokens=1,
+                            num_jacobi_passes=1)
+    out = target.generate(prompt, generation_config=ours, assistant_model=speculator, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert max(out.speculation.drafted_lengths) == 1 and max(out.speculation.refine_passes) == 1
+    out = target.generate(prompt, generation_config=ours, assistant_model=speculator, return_dict_in_generate=True,
+                          speculation="dflash", num_draft_tokens=3)  # the call's values win
+    assert torch.equal(out.sequences, plain)
+    assert max(out.speculation.drafted_lengths) == 3 and not any(out.speculation.refine_passes)
+    target.generation_config.speculation = "markov"
+    out = target.generate(prompt, do_sample=False, max_new_tokens=12, assistant_model=speculator,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain) and out.speculation.method == "markov"
+
+
 def test_native_path_sees_the_same_drafts_as_ours():
     """Same drafter, same context features: the native generator and ours propose the same first block."""
     from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
