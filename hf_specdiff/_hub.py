@@ -108,9 +108,10 @@ def check_repo_id(repo_id: str, what: str = "repo_id") -> None:
 
 def upload_folder(folder: Path, repo_id: str, commit_message: str, commit_description: str | None = None,
                   private: bool | None = None, token: str | bool | None = None, revision: str | None = None,
-                  create_pr: bool = False):
+                  create_pr: bool = False, delete_patterns: list[str] | None = None):
     """Upload `folder` to the model repo `repo_id` as one commit, as transformers' `push_to_hub` does: the repo is
-    created if need be, and a branch `revision` too (unless it names a pull request). Returns the commit info."""
+    created if need be, and a branch `revision` too (unless it names a pull request). `delete_patterns`: files of the
+    repo the commit removes (a part an earlier push had and this artifact has not). Returns the commit info."""
     from huggingface_hub import HfApi
 
     check_repo_id(repo_id)
@@ -119,7 +120,8 @@ def upload_folder(folder: Path, repo_id: str, commit_message: str, commit_descri
     if revision is not None and not revision.startswith("refs/pr"):
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
-                             commit_description=commit_description, revision=revision, create_pr=create_pr)
+                             commit_description=commit_description, revision=revision, create_pr=create_pr,
+                             delete_patterns=delete_patterns)
 
 
 def split_push_options(kwargs: dict, save_options: tuple[str, ...], what: str) -> tuple[dict, dict]:

@@ -494,6 +494,10 @@ def timed_generate(model, **kwargs):
     return out, time.perf_counter() - start
 
 
+# the add-on (a Speculator attribute) each method drafts with, beside the drafter
+_ADD_ON_OF_METHOD = {"xpress": "refiner", "xpress_static": "refiner", "markov": "markov_head"}
+
+
 def load_models(config: BenchConfig, target=None, tokenizer=None, speculator=None):
     """(target, tokenizer, speculator) on `config.device`: those given, else `config.target` / `config.speculator`,
     else the embedded SmolLM2-135M-Instruct and its shipped speculator. The target is `enable`d."""
@@ -503,6 +507,13 @@ def load_models(config: BenchConfig, target=None, tokenizer=None, speculator=Non
     if speculator is None:  # first: a wrong path fails before the target loads, which can take minutes
         path = config.speculator or hf_specdiff.default_speculator_path()
         speculator = hf_specdiff.AutoSpeculator.from_pretrained(path)
+    lacking = {method: part for method, part in _ADD_ON_OF_METHOD.items()
+               if method in config.methods and getattr(speculator, part) is None}
+    if lacking:  # (said here in the command's terms, before the target loads: generate would name `speculation=`)
+        parts = " and ".join(sorted(set(lacking.values())))
+        raise ValueError(f"--methods {list(lacking)} need the speculator's {parts}, and "
+                         f"{config.speculator or 'this speculator'} has none: drop them (e.g. --methods ar dflash), or "
+                         "bench a speculator trained with them (hf-specdiff train).")
     block_size = speculator.drafter.config.block_size
     if config.num_draft_tokens is not None and not 1 <= config.num_draft_tokens < block_size:
         raise ValueError(f"--num-draft-tokens {config.num_draft_tokens}: the speculator's blocks of {block_size} slots "

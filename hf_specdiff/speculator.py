@@ -249,7 +249,7 @@ class Speculator(nn.Module):
             )
         if push_to_hub:
             hub.setdefault("commit_message", "Upload speculator")
-            upload_folder(save_directory, hub.pop("repo_id"), **hub)
+            upload_folder(save_directory, hub.pop("repo_id"), **hub, delete_patterns=self._absent_parts())
 
     def push_to_hub(self, repo_id: str, commit_message: str = "Upload speculator", **kwargs):
         """Save to a temporary folder and upload it as one commit (the options of `save_pretrained`'s
@@ -261,7 +261,14 @@ class Speculator(nn.Module):
         upload, save = split_push_options(kwargs, _SAVE_OPTIONS, "speculator")
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder, **save)
-            return upload_folder(Path(folder), repo_id, commit_message, **upload)
+            return upload_folder(Path(folder), repo_id, commit_message, **upload,
+                                 delete_patterns=self._absent_parts())
+
+    def _absent_parts(self) -> list[str]:
+        """The files of the parts this speculator has not, as patterns: a push removes them from the repo, where an
+        earlier push of a speculator that had them would leave them beside weights that loading no longer reads."""
+        return [*(f"{name}/*" for name in _COMPONENTS if getattr(self, name) is None),
+                *([DRAFT_VOCAB_FILE] if self.draft_vocab is None else [])]
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, dtype=None, device=None, variant: str | None = None,

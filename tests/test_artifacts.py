@@ -545,8 +545,9 @@ def test_a_speculator_saved_with_a_variant_loads_with_it(tmp_path):
 
 def test_saving_over_a_speculator_removes_the_parts_it_no_longer_has(tmp_path, monkeypatch):
     """The shipped speculator loaded, its refiner and draft vocabulary dropped, saved over a copy of its folder: the
-    refiner's folder and draft_vocab.safetensors are gone (nor pushed), the Markov head stays, and the model card is
-    kept with a warning at the caller's line that it may no longer describe the weights."""
+    refiner's folder and draft_vocab.safetensors are gone (nor pushed, and a push deletes them from the repo), the
+    Markov head stays, and the model card is kept with a warning at the caller's line that it may no longer describe
+    the weights."""
     import shutil
     import warnings
 
@@ -555,7 +556,8 @@ def test_saving_over_a_speculator_removes_the_parts_it_no_longer_has(tmp_path, m
     uploads = []
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kwargs: repo_id)
     monkeypatch.setattr(HfApi, "upload_folder", lambda self, repo_id, folder_path, **kwargs: uploads.append(
-        sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file())))
+        (sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file()),
+         kwargs["delete_patterns"])))
     folder = tmp_path / "speculator"
     shutil.copytree(hf_specdiff.default_speculator_path(), folder)
     assert {"refiner", "markov_head", "draft_vocab.safetensors", "README.md"} <= {p.name for p in folder.iterdir()}
@@ -571,7 +573,10 @@ def test_saving_over_a_speculator_removes_the_parts_it_no_longer_has(tmp_path, m
     files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     assert files == ["README.md", "config.json", "markov_head/config.json", "markov_head/model.safetensors",
                      "model.safetensors", "speculator.json"]
-    assert uploads == [files]
+    # and the push removes them from the repo, where an earlier push of the whole speculator left them
+    assert uploads == [(files, ["refiner/*", "draft_vocab.safetensors"])]
+    speculator.push_to_hub("me/speculator")
+    assert uploads[-1][1] == ["refiner/*", "draft_vocab.safetensors"]
     loaded = AutoSpeculator.from_pretrained(folder)
     assert loaded.refiner is None and loaded.draft_vocab is None and loaded.markov_head is not None
     with warnings.catch_warnings():

@@ -58,6 +58,15 @@ def test_a_wrong_speculator_or_prompt_file_fails_before_the_target_loads(tmp_pat
     with pytest.raises(ValueError, match="bad.jsonl:1 is not JSON"):
         run_bench(BenchConfig(prompts=str(tmp_path / "bad.jsonl"), batch_size=batch_size, methods=["ar", "dflash"]),
                   progress=False)
+    from conftest import make_target
+
+    bare = hf_specdiff.AutoSpeculator.from_target(make_target(), block_size=4, num_draft_layers=1, refiner_rank=8)
+    bare.refiner = bare.markov_head = None
+    bare.save_pretrained(tmp_path / "bare")
+    with pytest.raises(ValueError, match=r"--methods \['xpress', 'markov'\] need the speculator's markov_head and "
+                       r"refiner, and .*bare has none: drop them \(e.g. --methods ar dflash\)"):  # before: speculation=
+        run_bench(BenchConfig(prompts=str(_two_prompts(tmp_path)), speculator=str(tmp_path / "bare"),
+                              batch_size=batch_size), progress=False)
     with pytest.raises(ValueError, match="--num-draft-tokens 99: the speculator's blocks of 16 slots offer 1 to 15"):
         run_bench(BenchConfig(prompts=str(_two_prompts(tmp_path)), batch_size=batch_size, methods=["ar", "dflash"],
                               num_draft_tokens=99), progress=False)
