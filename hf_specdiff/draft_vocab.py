@@ -48,9 +48,10 @@ def check_draft_vocab(token_ids: torch.Tensor, vocab_size: int, where: str = "Th
         raise ValueError(f"{where} must be a non-empty 1-D tensor of token ids, got shape {tuple(token_ids.shape)}.")
     low, high = int(token_ids.min()), int(token_ids.max())
     if low < 0 or high >= vocab_size:
-        raise ValueError(f"{where} holds token ids from {low} to {high}, outside the vocabulary of {vocab_size} "
-                         "tokens: it was built for another tokenizer. Build it again from this target's data "
-                         "(top_tokens).")
+        raise ValueError(f"{where} holds token ids from {low} to {high}, outside the drafter's vocabulary of "
+                         f"{vocab_size} tokens (its config's vocab_size): it was built for another tokenizer, or "
+                         "that vocab_size was changed. Build it again from this target's data (top_tokens), or "
+                         "restore the drafter's config.json.")
     if token_ids.unique().numel() != token_ids.numel():
         raise ValueError(f"{where} lists some token ids more than once: build it again (top_tokens) or deduplicate it.")
 

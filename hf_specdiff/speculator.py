@@ -54,6 +54,12 @@ _SAVE_OPTIONS = ("max_shard_size", "variant", "safe_serialization")  # passed to
 _PART_FILES = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index*.json")
 
 
+# what to do when a speculator's parts disagree on a shape their configs give
+_PARTS_REMEDY = (": a speculator's parts are trained together, for one drafter. Build it from the parts of one "
+                 "training run (or train the add-on for this drafter), and check that no config.json (the drafter's, "
+                 "refiner/, markov_head/) was edited or copied from another speculator.")
+
+
 class Speculator(nn.Module):
     """Drafter + optional refiner + optional Markov head + optional draft vocabulary (token ids the drafts are read
     out over, `draft_vocab.py`; `speculator.draft_vocab = None` drafts over the whole vocabulary again). Pass it as
@@ -70,11 +76,13 @@ class Speculator(nn.Module):
                 continue
             if part.config.block_size != block:
                 raise ValueError(f"The {name} was built for block size {part.config.block_size}, "
-                                 f"the drafter uses {block}.")
+                                 f"the drafter uses {block}{_PARTS_REMEDY}")
             if part.config.vocab_size != vocab:
-                raise ValueError(f"The {name} has vocabulary {part.config.vocab_size}, the drafter {vocab}.")
+                raise ValueError(f"The {name} has vocabulary {part.config.vocab_size}, the drafter {vocab}"
+                                 f"{_PARTS_REMEDY}")
         if refiner is not None and refiner.config.hidden_size != hidden:
-            raise ValueError(f"The refiner reads hidden size {refiner.config.hidden_size}, the drafter has {hidden}.")
+            raise ValueError(f"The refiner reads hidden size {refiner.config.hidden_size}, the drafter has {hidden}"
+                             f"{_PARTS_REMEDY}")
         if draft_vocab is not None:
             check_draft_vocab(draft_vocab, vocab)
         self.drafter = drafter

@@ -268,8 +268,8 @@ def test_top_tokens_ranks_by_count_then_id_and_puts_the_given_ones_first():
 
 
 @pytest.mark.parametrize("vocab,message", [
-    (torch.tensor([1, 2, VOCAB]), f"from 1 to {VOCAB}, outside the vocabulary of {VOCAB} tokens"),
-    (torch.tensor([-1, 2]), "outside the vocabulary"),
+    (torch.tensor([1, 2, VOCAB]), f"from 1 to {VOCAB}, outside the drafter's vocabulary of {VOCAB} tokens"),
+    (torch.tensor([-1, 2]), "outside the drafter.s vocabulary .*its config.s vocab_size.*restore the drafter.s config"),
     (torch.tensor([4, 2, 4]), "more than once"),
     (torch.tensor([], dtype=torch.long), "non-empty 1-D"),
     (torch.tensor([[1, 2]]), "non-empty 1-D"),
