@@ -302,7 +302,7 @@ def test_a_corrupt_or_missing_vocabulary_file_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="has no `token_ids` tensor"):
         AutoSpeculator.from_pretrained(tmp_path)
     save_file({"token_ids": torch.tensor([1, 2, 500])}, vocab_file)
-    with pytest.raises(ValueError, match="outside the vocabulary .* another tokenizer"):
+    with pytest.raises(ValueError, match="outside the drafter.s vocabulary .* another tokenizer"):
         AutoSpeculator.from_pretrained(tmp_path)
     manifest = json.loads((tmp_path / "speculator.json").read_text())
     (tmp_path / "speculator.json").write_text(json.dumps({**manifest, "draft_vocab": 3}))
