@@ -518,17 +518,9 @@ def load_models(config: BenchConfig, target=None, tokenizer=None, speculator=Non
     if config.num_draft_tokens is not None and not 1 <= config.num_draft_tokens < block_size:
         raise ValueError(f"--num-draft-tokens {config.num_draft_tokens}: the speculator's blocks of {block_size} slots "
                          f"offer 1 to {block_size - 1} drafts.")
-    if target is None:
-        from .embedded import load_target
+    from .embedded import target_and_tokenizer
 
-        target, tokenizer = load_target(config.target, dtype=dtype, tokenizer=config.tokenizer)
-    elif tokenizer is None:
-        if config.tokenizer is None:
-            raise ValueError("A target given in memory needs its tokenizer: pass tokenizer= (or config.tokenizer, a "
-                             "folder or Hub id holding it).")
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+    target, tokenizer = target_and_tokenizer(target, tokenizer, config.target, config.tokenizer, dtype)
     target = hf_specdiff.enable(target.to(config.device).eval())
     return target, tokenizer, speculator.to(device=config.device, dtype=dtype)
 

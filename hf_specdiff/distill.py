@@ -181,17 +181,10 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
     output.parent.mkdir(parents=True, exist_ok=True)
     done = answered_ids(output) if output.is_file() else set()
 
-    if target is None:
-        from .embedded import load_target
+    from .embedded import target_and_tokenizer
 
-        target, tokenizer = load_target(config.target, dtype=getattr(torch, config.dtype), tokenizer=config.tokenizer)
-    elif tokenizer is None:
-        if config.tokenizer is None:
-            raise ValueError("distill needs the target's tokenizer: pass tokenizer= with target= (or "
-                             "config.tokenizer, a folder or Hub id holding it).")
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+    target, tokenizer = target_and_tokenizer(target, tokenizer, config.target, config.tokenizer,
+                                             getattr(torch, config.dtype))
     target = target.to(config.device).eval()
 
     todo = []

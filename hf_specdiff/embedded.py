@@ -220,6 +220,25 @@ def load_default_target(dtype="float32", device: str | None = None, cache_dir=No
     return model.eval(), tokenizer
 
 
+def target_and_tokenizer(target, tokenizer, path_or_repo_id: str | None, tokenizer_path: str | None, dtype):
+    """`(target, tokenizer)` for a command run from Python: the target given in memory with its tokenizer (given, or
+    read from `tokenizer_path`, a config's `tokenizer`), else the one `load_target` reads from `path_or_repo_id`."""
+    if target is None:
+        return load_target(path_or_repo_id, dtype=dtype, tokenizer=tokenizer_path)
+    if tokenizer is None:
+        if tokenizer_path is None:
+            raise ValueError("A target given in memory needs its tokenizer: pass tokenizer= with target= (or "
+                             "config.tokenizer, a folder or Hub id holding it).")
+        from transformers import AutoTokenizer
+
+        from ._hub import check_folder_or_repo_id, check_tokenizer_folder
+
+        check_folder_or_repo_id(tokenizer_path, "tokenizer")
+        check_tokenizer_folder(tokenizer_path, "target")
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    return target, tokenizer
+
+
 def load_target(path_or_repo_id: str | None, dtype="float32", with_tokenizer: bool = True,
                 tokenizer: str | None = None):
     """`(model, tokenizer)` of the target a command names: None is the embedded SmolLM2-135M-Instruct, else a local

@@ -146,6 +146,16 @@ def test_a_target_saved_without_its_tokenizer_runs_with_the_tokenizer_option(tmp
     with pytest.raises(ValueError, match="A target given in memory needs its tokenizer: pass tokenizer="):
         run_bench(BenchConfig(prompts=str(_two_prompts(tmp_path)), speculator=str(tmp_path / "speculator"),
                               methods=["ar"], batch_size=[int(size) for size in batch_size]), target=target)
+    # a config.tokenizer naming a folder without one is said so, for bench and distill alike (before: transformers'
+    # "Couldn't instantiate the backend tokenizer", naming neither the folder nor the fix)
+    from hf_specdiff.distill import DistillConfig, distill
+
+    with pytest.raises(OSError, match="target.? holds no tokenizer"):
+        run_bench(BenchConfig(prompts=str(_two_prompts(tmp_path)), speculator=str(tmp_path / "speculator"),
+                              methods=["ar"], tokenizer=str(tmp_path / "target")), target=target)
+    with pytest.raises(OSError, match="target.? holds no tokenizer"):
+        distill(DistillConfig(sources=[str(_two_prompts(tmp_path))], output=str(tmp_path / "more.jsonl"),
+                              tokenizer=str(tmp_path / "target")), target=target, progress=False)
     row = next(json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()
                if json.loads(line).get("prompt") == "What is 12 times 7?")
     assert row["prompt_ids"] == AutoTokenizer.from_pretrained(tokenizer_folder).apply_chat_template(
