@@ -51,9 +51,11 @@ with open(args.questions) as rows, data.open("w") as answers:
         answers.write(json.dumps({"prompt_ids": ids[0].tolist(), "response_ids": response.tolist()}) + "\n")
 
 # 2. Training (toy size: raise max_steps, max_seq_len and the data for a useful speculator)
+# (the warm-up is a tenth of the run: the default, 50 steps, is for runs of thousands)
 config = TrainConfig(data=[str(data)], output_dir=str(out_dir / "run"), max_steps=args.steps, max_seq_len=160,
                      anchors_per_sequence=4, batch_size=2, refiner_rank=32, mask_token_id=16,
-                     holdout_sequences=HOLDOUT, eval_every=max(args.steps // 2, 1), save_every=args.steps)
+                     warmup_steps=max(args.steps // 10, 1), holdout_sequences=HOLDOUT,
+                     eval_every=max(args.steps // 2, 1), save_every=args.steps)
 speculator = train(config, target=target)
 
 # 3. Use it: greedy output is the target's own, whatever the speculator's quality

@@ -15,11 +15,12 @@ from . import __version__
 from ._hub import can_only_be_a_path, share_like_umask
 
 
-def _add_dataclass_arguments(parser: argparse.ArgumentParser, cls, exclude: tuple[str, ...] = ()) -> None:
+def _add_dataclass_arguments(parser: argparse.ArgumentParser, cls, exclude: tuple[str, ...] = (),
+                             defaults: dict | None = None) -> None:
     """One `--field-name` per dataclass field (but those in `exclude`, which keep their defaults), its help from the
     field's `metadata["help"]` (as transformers' HfArgumentParser reads it) and its choices from
     `metadata["choices"]`; lists take several values; an optional field takes `none`; a JSON `--config` file sets
-    defaults."""
+    defaults. `defaults`: the command's own defaults for some fields, shown in their help."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in exclude:
@@ -30,6 +31,7 @@ def _add_dataclass_arguments(parser: argparse.ArgumentParser, cls, exclude: tupl
         base = next(a for a in args if a is not type(None)) if optional else hint
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = (defaults or {}).get(f.name, default)
         shown = f"{f.metadata['help']} (default: {default})" if default != "" else f.metadata["help"]
         described = shown.replace("%", "%%")  # argparse %-formats help
         if typing.get_origin(base) is list:
@@ -202,10 +204,9 @@ def demo_diffusion(prompt: str, model_path: str | None, graph_path: str | None, 
                    block_length: int, threshold: float, device: str) -> None:
     """A masked diffusion LM: watch one block fill in forward by forward, then compare decoding methods: forward
     passes (NFE), tokens/s, and whether Spiffy's output is identical to the decoding it speeds up."""
-    import time
+    import warnings
 
-    import torch
-    from .diffusion import AutoDiffusionLM, DiffusionGenerationConfig, diffusion_generate, load_tokenizer
+    from .diffusion import DiffusionGenerationConfig
     from .spiffy import DraftGraph
 
     from .embedded import default_diffusion_lm_path
@@ -216,7 +217,28 @@ def demo_diffusion(prompt: str, model_path: str | None, graph_path: str | None, 
         DiffusionGenerationConfig(**options, threshold=thresh).validate()
     model_path = model_path or default_diffusion_lm_path()
     graph = DraftGraph.from_pretrained(graph_path or model_path)
-    graph.check_compatible(DiffusionGenerationConfig(**options, threshold=threshold))
+    # One graph serves Spiffy with and without threshold unmasking, so one of the two always decodes with settings
+    # other than those it was calibrated with; said once here, rather than in a warning on every run that asks to
+    # calibrate for settings the demo itself chose.
+    differences = sorted({difference for thresh in (None, threshold) for difference in
+                          graph.calibration_differences(DiffusionGenerationConfig(**options, threshold=thresh))})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This Spiffy graph was calibrated with other decoding settings")
+        graph.check_compatible(DiffusionGenerationConfig(**options, threshold=threshold))  # refuses another block
+        _demo_diffusion_runs(prompt, model_path, graph, options, threshold, device)
+    if differences:
+        print(f"\n(The graph was calibrated with other settings than some of these runs ({'; '.join(differences)}): "
+              "Spiffy's output is as exact with it there, though fewer of its drafts may be accepted.)")
+
+
+def _demo_diffusion_runs(prompt, model_path, graph, options: dict, threshold: float, device: str) -> None:
+    """demo --diffusion's decoding: the block filling in, then each method's NFE, speed and identity."""
+    import time
+
+    import torch
+    from .diffusion import AutoDiffusionLM, DiffusionGenerationConfig, diffusion_generate, load_tokenizer
+
+    block_length = options["block_length"]
     tokenizer = load_tokenizer(model_path)
     model = AutoDiffusionLM.from_pretrained(model_path, device=device)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -352,50 +374,67 @@ def bench_command_line(recorded: dict) -> str:
 EMBEDDED_DATA_FILES = {"smollm2-135m-instruct/gsm8k_train.jsonl", "smollm2-135m-instruct/sharegpt.jsonl"}
 
 
-def _card_text(args, base_model: str, train_config: dict) -> dict:
+def _card_facts(args, recorded: str | None, embedded: bool, train_config: dict) -> tuple[str, str, dict]:
+    """The card's base model, licence and free-text facts. Every option the card still needs is named in one error
+    (rather than one per try of the command)."""
+    missing = []
+    base_model = _card_base_model(args, recorded, embedded, missing)
+    card_license = _card_license(args, base_model, missing)
+    text = _card_text(args, base_model, train_config, missing)
+    if len(missing) > 1:
+        raise SystemExit(f"The model card needs {len(missing)} more options:\n" + "\n".join(f"  {m}" for m in missing))
+    if missing:
+        raise SystemExit(missing[0])
+    return base_model, card_license, text
+
+
+def _card_text(args, base_model: str, train_config: dict, missing: list[str]) -> dict:
     """The card's free-text facts. The defaults describe the project's runs of the embedded target on its distill
-    corpus; a card of another base model, or of a run on other data, must not claim them, so there each is required."""
+    corpus; a card of another base model, or of a run on other data, must not claim them, so there each is required
+    (appended to `missing` where not given)."""
     import os
 
     facts = {"data_description": args.data_description, "train_hardware": args.train_hardware}
     data_files = {"/".join(os.path.normpath(path).split(os.sep)[-2:]) for path in train_config.get("data") or ()}
     if facts["data_description"] is None and base_model == EMBEDDED_HUB_ID and data_files != EMBEDDED_DATA_FILES:
-        raise SystemExit(f"--data-description is required: the run trained on {sorted(data_files)}, not the distill "
-                         "corpus the default describes. Say what it was trained on.")
+        missing.append(f"--data-description is required: the run trained on {sorted(data_files)}, not the distill "
+                       "corpus the default describes. Say what it was trained on.")
     defaults = {"data_description": EMBEDDED_DATA_DESCRIPTION, "train_hardware": EMBEDDED_TRAIN_HARDWARE}
     for name, value in facts.items():
         if value is None and base_model == EMBEDDED_HUB_ID:
             facts[name] = defaults[name]
         elif value is None:
-            raise SystemExit(f"--{name.replace('_', '-')} is required for a base model other than the embedded "
-                             f"SmolLM2 ({base_model}): say what the run was trained on / with.")
+            missing.append(f"--{name.replace('_', '-')} is required for a base model other than the embedded "
+                           f"SmolLM2 ({base_model}): say what the run was trained on / with.")
     return facts
 
 
-def _card_base_model(args, recorded: str | None, embedded: bool) -> str:
-    """The card's `base_model`: a Hub id (a local folder means nothing on the Hub)."""
+def _card_base_model(args, recorded: str | None, embedded: bool, missing: list[str]) -> str:
+    """The card's `base_model`: a Hub id (a local folder means nothing on the Hub). Where it must be given, the
+    reason is appended to `missing` and the run's record stands in for it in the other messages."""
     import os
 
     if args.base_model is not None:  # given: trusted unless it cannot be a Hub id
         if can_only_be_a_path(args.base_model):
-            raise SystemExit(f"--base-model {args.base_model!r} is a path; give a Hub id (namespace/name).")
+            missing.append(f"--base-model {args.base_model!r} is a path; give a Hub id (namespace/name).")
         return args.base_model
     if embedded:
         return EMBEDDED_HUB_ID
     if recorded is None or can_only_be_a_path(recorded) or os.path.exists(recorded):
-        raise SystemExit(f"--base-model is required: the run's base model is the local folder {recorded!r}; give "
-                         "the Hub id of the model it holds (the card's base_model).")
-    return recorded
+        missing.append(f"--base-model is required: the run's base model is the local folder {recorded!r}; give "
+                       "the Hub id of the model it holds (the card's base_model).")
+    return str(recorded)
 
 
-def _card_license(args, base_model: str) -> str:
+def _card_license(args, base_model: str, missing: list[str]) -> str:
     """A trained speculator or adapter is a derivative of its base model, so its card carries the base's licence."""
     if args.license:
         return args.license
     if base_model == EMBEDDED_HUB_ID:
         return "apache-2.0"
-    raise SystemExit(f"--license is required: the card carries the licence of the base model {base_model!r}, which "
-                     "is not the embedded SmolLM2. Give its Hub licence id (apache-2.0, mit, llama3.1, ..., or other).")
+    missing.append(f"--license is required: the card carries the licence of the base model {base_model!r}, which "
+                   "is not the embedded SmolLM2. Give its Hub licence id (apache-2.0, mit, llama3.1, ..., or other).")
+    return ""
 
 
 def export_speculator(args) -> None:
@@ -416,9 +455,7 @@ def export_speculator(args) -> None:
                          "start from one: drop it.")
     target = train_config.get("target")
     embedded = target is None or is_embedded_folder(target)
-    base_model = _card_base_model(args, target, embedded)
-    card_license = _card_license(args, base_model)
-    text = _card_text(args, base_model, train_config)
+    base_model, card_license, text = _card_facts(args, target, embedded, train_config)
     measured, bench_command = _quoted_bench(args, "speculator", (run / "speculator", args.output))
     speculator = AutoSpeculator.from_pretrained(run / "speculator").to(getattr(torch, args.dtype))
     saved = run / SAVED_STEP_FILE
@@ -455,6 +492,7 @@ def export_diffusion(args) -> None:
     from .diffusion.adapter_weights import EMBEDDED_BASE, WEIGHTS_NAME
     from .model_card import (default_template, load_train_config, load_train_log, render_diffusion_model_card,
                              write_model_card)
+    from ._hub import TOKENIZER_FILE_PATTERNS
     from .spiffy import GRAPH_FILE, DraftGraph
 
     def digest(path: Path) -> str | None:
@@ -468,9 +506,7 @@ def export_diffusion(args) -> None:
     source = run / "diffusion_lm"
     published = json.loads((source / "config.json").read_text())
     base = published.get("base")
-    base_model = _card_base_model(args, base, base in (None, EMBEDDED_BASE))
-    card_license = _card_license(args, base_model)
-    text = _card_text(args, base_model, train_config)
+    base_model, card_license, text = _card_facts(args, base, base in (None, EMBEDDED_BASE), train_config)
     measured, bench_command = _quoted_bench(args, "diffusion LM", (run / "diffusion_lm", args.output))
     weights = {name: t.to(getattr(torch, args.dtype)).contiguous()
                for name, t in load_file(source / WEIGHTS_NAME).items()}
@@ -478,6 +514,10 @@ def export_diffusion(args) -> None:
     for file in source.iterdir():
         if file.name != WEIGHTS_NAME and file.is_file():
             shutil.copy2(file, output / file.name)
+    if not any(next(output.glob(pattern), None) for pattern in TOKENIZER_FILE_PATTERNS):
+        print(f"warning: {output} holds no tokenizer ({source} had none to copy), and the model card's usage, "
+              f"`hf-specdiff bench` and `calibrate` read it from there: save it (tokenizer.save_pretrained("
+              f"{str(output)!r})) before publishing.", file=sys.stderr)
     before = digest(output / WEIGHTS_NAME)
     save_file(weights, output / WEIGHTS_NAME, metadata={"format": "pt"})
     log = load_train_log(run)
@@ -684,6 +724,16 @@ def draft_vocab(args) -> None:
     check_folder_or_repo_id(target, "target")  # (before: the Hub was asked for a folder that holds no model)
     find_file(target, "config.json", "target", "Point --target at the target's folder (config.json beside its "
               "weights), or leave it out for the embedded SmolLM2-135M-Instruct.")
+    if args.target is None:  # the vocabulary keeps the target's EOS ids: the embedded one's fit only its speculators
+        trained_for = json.loads((folder / "config.json").read_text())
+        embedded = AutoConfig.from_pretrained(target)
+        shapes = {"vocab_size": (trained_for.get("vocab_size"), embedded.vocab_size),
+                  "layers": (trained_for.get("num_target_layers"), embedded.num_hidden_layers)}
+        if differences := [f"{name} {theirs} vs {its}" for name, (theirs, its) in shapes.items()
+                           if theirs is not None and theirs != its]:
+            raise SystemExit(f"{folder} holds a speculator for another target than the embedded SmolLM2-135M-Instruct "
+                             f"({', '.join(differences)}): pass --target, the folder of the target it was trained "
+                             "for, whose EOS ids the draft vocabulary keeps.")
     answers = []
     for path in args.data:
         for _, where, row in json_lines(path, '{"response_ids": [1, 2, 3]}'):
@@ -709,13 +759,16 @@ def draft_vocab(args) -> None:
 
 
 def _calibrate_options(parser: argparse.ArgumentParser) -> None:
+    from .bench import BenchConfig
     from .diffusion import DiffusionGenerationConfig
 
     parser.add_argument("--config", help="JSON file with CalibrateConfig and DiffusionGenerationConfig fields")
     _add_dataclass_arguments(parser, CalibrateConfig)
     # calibration records ordinary decoding: how many drafts Spiffy verifies is chosen where it decodes
-    # (bench, generate)
-    _add_dataclass_arguments(parser, DiffusionGenerationConfig, exclude=("max_drafts",))
+    # (bench, generate). Its cache is the one bench and demo --diffusion decode with (dual, where Spiffy is exact): a
+    # graph calibrated with another warns wherever they use it.
+    _add_dataclass_arguments(parser, DiffusionGenerationConfig, exclude=("max_drafts",),
+                             defaults={"cache": BenchConfig.cache})
 
 
 # Each command, its one-line help and what adds its options. Only the command being run gets its options: most of

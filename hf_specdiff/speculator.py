@@ -290,6 +290,11 @@ class Speculator(nn.Module):
         dtype = take_dtype(dtype, hub_kwargs, "speculator", also="dtype, device, variant and ")
         check_folder_or_repo_id(path_or_repo_id, "speculator")
         subfolder = hub_kwargs.get("subfolder") or ""  # the add-ons' subfolders extend it
+        folder = Path(path_or_repo_id, subfolder)
+        if not (folder / "config.json").is_file() and (folder / "speculator" / "config.json").is_file():
+            raise OSError(f"{folder} is a training run's folder (`hf-specdiff train --output-dir`): load the "
+                          f"speculator it wrote, {folder / 'speculator'}, or the folder `hf-specdiff export --run "
+                          f"{folder}` writes.")
         config = _read_json_object(find_file(path_or_repo_id, "config.json", "speculator", SAVED_FOLDER, **hub_kwargs))
         if "DFlashDraftModel" not in (config.get("architectures") or []) or "dflash_config" not in config:
             raise ValueError(
@@ -607,7 +612,9 @@ class AutoSpeculator:
             num_attention_heads=text.num_attention_heads,
             num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
             head_dim=head_dim,
-            hidden_act=getattr(text, "hidden_act", None) or "silu",  # (some configs hold None: the default)
+            # the target's activation, without which a warm start's copy of its MLP computes another function
+            # (Gemma's configs name it hidden_activation; some configs hold None: the default)
+            hidden_act=getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu",
             rms_norm_eps=getattr(text, "rms_norm_eps", None) or 1e-6,
             rope_parameters=full_attention_rope_parameters(text),
             max_position_embeddings=getattr(text, "max_position_embeddings", 32768),

@@ -81,7 +81,9 @@ class DraftGraph:
 
         if isinstance(self.block_length, bool) or not isinstance(self.block_length, int) or self.block_length < 1:
             raise bad(f"block_length must be a positive integer, got {self.block_length!r}")
-        if not self.nodes or len(self.parents) != len(self.nodes):
+        if not self.nodes:  # before: "0 nodes but 0 parent lists", which reads as a count mismatch
+            raise bad("it has no nodes, and Spiffy drafts from at least one")
+        if len(self.parents) != len(self.nodes):
             raise bad(f"{len(self.nodes)} nodes but {len(self.parents)} parent lists")
         if self.counts and len(self.counts) != len(self.nodes):
             raise bad(f"{len(self.nodes)} nodes but {len(self.counts)} counts")

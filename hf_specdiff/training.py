@@ -424,12 +424,18 @@ def init_draft_layers_from_target(speculator: Speculator, target, layer: int) ->
     """Copy a target decoder layer into every draft layer (attention, MLP, norms) and the target's final norm into
     the drafter's: a warm start whose output already reads like the target's last hidden state (with tied
     embeddings, a random start predicts its own input token with huge confidence: initial CE ~85 vs ~14 here).
-    q_norm/k_norm (absent in Llama) stay at identity."""
+    q_norm/k_norm are copied where the target has them per head (Qwen 3, Gemma 3), else stay at identity.
+
+    A norm is copied as the scale it applies (`_norm_scale`), not as its stored weight: Gemma's norms store
+    1 + weight, and their weights copied as the drafter's would zero its hidden states. The drafter's pre-MLP norm
+    (`post_attention_layernorm`, Llama's name) takes the target's pre-MLP norm: Gemma 2/3's
+    `pre_feedforward_layernorm`, while their `post_attention_layernorm`, like OLMo 2's, normalises the attention's
+    output and is left out."""
     decoder = target.get_decoder()
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)  # (GPT-2's family keeps them in `h`)
-    source = layers[layer].state_dict() if layers is not None else {}
     for draft_layer in speculator.drafter.layers:
         own = draft_layer.state_dict()
+        source = _layer_weights(layers[layer], own) if layers is not None else {}
         copied = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
         if not copied:
             raise ValueError(
@@ -438,9 +444,55 @@ def init_draft_layers_from_target(speculator: Speculator, target, layer: int) ->
                 "...), so nothing would be copied. Start the draft layers at random: init_from_target_layer=None "
                 "(`--init-from-target-layer none`)."
             )
+        # (a norm left out starts as the identity, as a target without it has none)
+        if left_random := sorted(k for k in own if k not in copied and not k.rsplit(".", 2)[-2].endswith("norm")):
+            warnings.warn(
+                f"init_from_target_layer={layer}: {type(target).__name__}'s layers have no weights of the drafter's "
+                f"names and shapes for {left_random} (a mixture of experts, a layout unlike Llama's): those start at "
+                "random, the rest is copied. Pass init_from_target_layer=None (`--init-from-target-layer none`) to "
+                "start every draft weight at random.", stacklevel=2)
         draft_layer.load_state_dict(copied, strict=False)
-    if getattr(decoder, "norm", None) is not None:
-        speculator.drafter.norm.load_state_dict(decoder.norm.state_dict())
+    if getattr(getattr(decoder, "norm", None), "weight", None) is not None:
+        speculator.drafter.norm.weight.data.copy_(_norm_scale(decoder.norm))
+
+
+# a target's fused projections (Phi-3's), each the drafter's projections stacked along the output
+_FUSED_PROJECTIONS = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                    "self_attn.v_proj.weight"),
+                      "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+
+
+def _layer_weights(target_layer: nn.Module, draft_weights: dict) -> dict[str, torch.Tensor]:
+    """A target layer's state dict under the drafter's names (`draft_weights`: a draft layer's state dict), fused
+    projections split, its norms as the scales they apply."""
+    weights = target_layer.state_dict()
+    for fused, parts in _FUSED_PROJECTIONS.items():
+        sizes = [draft_weights[part].shape[0] for part in parts if part in draft_weights]
+        if fused in weights and len(sizes) == len(parts) and sum(sizes) == weights[fused].shape[0]:
+            weights.update(zip(parts, weights.pop(fused).split(sizes)))
+    norms = {name: module for name, module in target_layer.named_modules()
+             if name.rsplit(".", 1)[-1].endswith("norm") and f"{name}.weight" in weights
+             and weights[f"{name}.weight"].dim() == 1}
+    for name, module in norms.items():
+        weights[f"{name}.weight"] = _norm_scale(module)
+    if "pre_feedforward_layernorm" in norms:  # Gemma 2/3: a norm before the MLP, and one after the attention
+        weights["post_attention_layernorm.weight"] = weights.pop("pre_feedforward_layernorm.weight")
+    elif "post_feedforward_layernorm" in norms:  # OLMo 2: norms after the attention and the MLP only
+        weights.pop("post_attention_layernorm.weight", None)
+    return weights
+
+
+@torch.no_grad()
+def _norm_scale(norm: nn.Module) -> torch.Tensor:
+    """(width,) the per-channel scale `norm` multiplies its normalised input by, read from what it does: the weight
+    for Llama's RMSNorm, 1 + weight for Gemma's. The input is +-1 in turn (zero mean, unit RMS), so an RMSNorm and
+    a LayerNorm alike return the scale times it, plus a LayerNorm's bias, which the difference with its negation
+    cancels."""
+    weight = norm.weight
+    signs = torch.ones(weight.shape[0], device=weight.device)
+    signs[1::2] = -1
+    x = signs.to(weight.dtype)[None]
+    return (norm(x) - norm(-x))[0].float() / (2 * signs)
 
 
 # --------------------------------------------------------------------------------------------------------------

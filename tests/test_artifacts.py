@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -192,8 +193,11 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
         main(export + (earlier if continued else []))
     # another target: its licence is not ours to guess
     (run / "train_config.json").write_text(json.dumps({**config.to_dict(), "target": "my-org/my-llama"}))
-    with pytest.raises(SystemExit, match="--license is required.*'my-org/my-llama'"):
+    with pytest.raises(SystemExit, match="--license is required.*'my-org/my-llama'") as refused:
         main(export + (earlier if continued else []))
+    # every option the card still needs, in one error (before: one per try of the command)
+    assert str(refused.value).startswith("The model card needs 3 more options:")
+    assert all(f"--{name} is required" in str(refused.value) for name in ("data-description", "train-hardware"))
     # nor are the embedded runs' data and hardware its card's
     with pytest.raises(SystemExit, match="--data-description is required.*my-org/my-llama"):
         main(export + (earlier if continued else []) + ["--license", "llama3.1"])
@@ -467,6 +471,16 @@ def test_a_folder_without_the_artifacts_file_says_so(tmp_path):
                              (load_target, "target", "config.json")):  # what `--target` of every command loads
         with pytest.raises(OSError, match=f"No {what} at '{tmp_path}': the folder has no {file}. (Point|Calibrate)"):
             load(tmp_path)
+
+
+def test_a_training_runs_folder_names_the_speculator_it_holds(tmp_path):
+    """`hf-specdiff train --output-dir RUN` writes RUN/speculator: loading RUN (as `bench --speculator RUN` does) says
+    where the speculator is, not only that RUN has no config.json."""
+    make_speculator(make_target()).save_pretrained(tmp_path / "run" / "speculator")
+    run = re.escape(str(tmp_path / "run"))
+    with pytest.raises(OSError, match=f"training run's folder .*: load the speculator it wrote, {run}/speculator"):
+        AutoSpeculator.from_pretrained(tmp_path / "run")
+    assert AutoSpeculator.from_pretrained(tmp_path / "run" / "speculator").refiner is not None
 
 
 def test_components_must_agree():

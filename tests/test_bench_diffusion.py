@@ -295,3 +295,23 @@ def test_bad_diffusion_bench_inputs_are_clear_errors(tmp_path):
     graph = SimpleNamespace(calibration={"datasets": ["math500", "mbpp"], "prompt_seed": 1, "limit": 2})
     rows = _rows_not_used_for_calibration(BenchConfig(datasets=["gsm8k"], limit=3, data_dir=str(data)), graph)
     assert [dataset for dataset, _ in rows] == ["gsm8k"] * 3
+
+
+def test_demo_runs_spiffy_with_and_without_threshold_on_one_graph_without_asking_to_recalibrate(tmp_path, capsys,
+                                                                                                 recwarn):
+    """calibrate's default cache is the one bench and demo --diffusion decode with (before: none, so its graph warned
+    "cache: 'none' (graph) vs 'dual' (now)" wherever it was used), and the demo, which runs Spiffy with and without
+    threshold unmasking on one graph, says once which runs differ from its calibration (before: a warning asking to
+    recalibrate for the threshold the demo itself chose)."""
+    small_dlm_with_smollm_tokenizer(tmp_path / "dlm")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Hi", "Add 2 and 3.")))
+    main(["calibrate", "--model", str(tmp_path / "dlm"), "--output", str(tmp_path / "dlm"), "--prompts",
+          str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "16", "--block-length", "8", "--num-nodes", "8"])
+    assert DraftGraph.from_pretrained(tmp_path / "dlm").calibration["cache"] == "dual"
+    main(["demo", "--diffusion", "--model", str(tmp_path / "dlm"), "--prompt", "Hi", "--max-new-tokens", "16",
+          "--block-length", "8", "--threshold", "0.05"])
+    shown = capsys.readouterr().out
+    assert not [w for w in recwarn if "calibrated with other decoding settings" in str(w.message)]
+    assert "calibrated with other settings than some of these runs (threshold: None (graph) vs 0.05 (now))" in shown
+    identical = [line.split()[-1] for line in shown.splitlines() if line.startswith(("spiffy ", "spiffy+threshold"))]
+    assert identical == ["yes", "yes"]

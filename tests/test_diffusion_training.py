@@ -249,7 +249,7 @@ def test_cli_train_diffusion(setup, tmp_path):
     assert (tmp_path / "cli" / "diffusion_lm" / "adapter_model.safetensors").is_file()
 
 
-def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_path):
+def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_path, capsys):
     """`hf-specdiff export` on a diffusion run: adapter tensors in the asked dtype, loading to the run's model up to
     that rounding, a card with every placeholder filled from the run's config and log, and a Spiffy graph calibrated
     into the output folder kept (and described) when exporting again."""
@@ -272,7 +272,10 @@ def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_pat
     with pytest.raises(SystemExit, match="is a speculator bench; this export is of a diffusion LM"):
         main(export + ["--bench-json", str(results / "smollm2-135m-cpu" / "bench.json")])
     assert not output.exists()  # refused before anything was written
+    capsys.readouterr()
     main(export)  # default dtype: bfloat16
+    # the tiny base was saved without a tokenizer, so the run and its export have none: said (before: silently)
+    assert f"warning: {output} holds no tokenizer" in capsys.readouterr().err
     tensors = load_file(output / "adapter_model.safetensors")
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     card = (output / "README.md").read_text()
@@ -407,6 +410,17 @@ def test_bad_data_fails_before_the_base_loads(setup, tmp_path, monkeypatch):
     monkeypatch.setattr(diffusion_training, "load_base", lambda *a, **k: pytest.fail("the base loaded before the data"))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         train_diffusion(tiny_config(folder, tmp_path / "missing.jsonl", output_dir=str(tmp_path / "run")),
+                        progress=False)
+
+
+def test_too_few_usable_rows_fail_before_the_base_loads_saying_what_to_do(setup, tmp_path, monkeypatch):
+    import hf_specdiff.diffusion.training as diffusion_training
+
+    folder, data, _, _ = setup
+    monkeypatch.setattr(diffusion_training, "load_base", lambda *a, **k: pytest.fail("the base loaded before the data"))
+    # before: "Only 1 usable rows: need more than eval_sequences=...", after the base had loaded
+    with pytest.raises(ValueError, match=r"(?s)Only \d+ usable rows.*raise --max-seq-len or lower --eval-sequences"):
+        train_diffusion(tiny_config(folder, data, output_dir=str(tmp_path / "run"), eval_sequences=10_000),
                         progress=False)
 
 

@@ -348,6 +348,10 @@ def test_cli_writes_a_vocabulary_into_a_saved_speculator(tmp_path, capsys):
     with pytest.raises(SystemExit, match="run is a training run's folder: give its speculator"):
         main(["draft-vocab", str(tmp_path / "run"), "--data", str(data), "--size", "3"])
     data.write_text("".join(json.dumps({"response_ids": answer}) + "\n" for answer in answers))
+    # without --target, a speculator of another target than the embedded one (before: given the embedded target's
+    # EOS ids, which this target never writes, so its EOS could never be drafted)
+    with pytest.raises(SystemExit, match=r"for another target than the embedded .*\(vocab_size 64 vs 49152.*--target"):
+        main(["draft-vocab", str(tmp_path / "speculator"), "--data", str(data), "--size", "3"])
     with pytest.raises(OSError, match="No target .*config.json.*Point --target at the target's folder"):
         main(["draft-vocab", str(tmp_path / "speculator"), "--data", str(data), "--size", "3",
               "--target", str(tmp_path / "run")])

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,38 @@ def test_quickstart_notebook_runs_at_toy_size(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_SPECDIFF_NOTEBOOK_SMALL", "1")
     cells = [c for c in json.loads(NOTEBOOK.read_text())["cells"] if c["cell_type"] == "code"]
     namespace: dict = {}
-    for cell in cells:
-        exec(compile("".join(cell["source"]), f"{NOTEBOOK.name}", "exec"), namespace)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for cell in cells:
+            exec(compile("".join(cell["source"]), f"{NOTEBOOK.name}", "exec"), namespace)
     assert (tmp_path / "runs" / "notebook" / "run" / "speculator" / "config.json").is_file()
+    # its toy run warms up over a step (the default 50 would outlast its 6 steps, and warn of it)
+    assert not [w for w in caught if "warmup_steps" in str(w.message)]
+
+
+@pytest.mark.slow
+def test_train_your_own_example_runs_without_a_warm_up_longer_than_its_run(tmp_path, monkeypatch, recwarn):
+    """`examples/train_your_own.py` (shorter than its 20 steps), with a tiny random target in place of the
+    embedded one (its tokenizer kept): distil, train, generate as plain greedy, and no warning that the warm-up
+    (before: the default 50 steps) outlasts the run, which told the user to pass a flag the script does not have."""
+    import runpy
+
+    from conftest import make_target
+    from transformers import AutoTokenizer
+
+    import hf_specdiff
+    from hf_specdiff.embedded import default_target_path
+
+    require_bench_data()
+    tokenizer = AutoTokenizer.from_pretrained(default_target_path())
+    target = make_target(vocab_size=len(tokenizer), hidden_size=16, num_layers=1, dtype=torch.float32,
+                         eos_token_id=tokenizer.eos_token_id)
+    monkeypatch.setattr(hf_specdiff, "load_default_target", lambda: (target, tokenizer))
+    monkeypatch.setattr(sys, "argv", ["train_your_own.py", "--num-prompts", "5", "--steps", "10", "--output-dir",
+                                      str(tmp_path)])
+    runpy.run_path(str(NOTEBOOK.parent / "train_your_own.py"), run_name="__main__")
+    assert (tmp_path / "run" / "speculator" / "config.json").is_file()
+    assert not [w for w in recwarn if "warmup_steps" in str(w.message)]
 
 
 GPU_SCRIPT = NOTEBOOK.parent / "reproduce_on_gpu.sh"

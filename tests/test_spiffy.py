@@ -231,6 +231,8 @@ def test_graph_errors(tmp_path):
         DraftGraph(nodes=[((8, 0),)], parents=[[-1]], block_length=8)
     with pytest.raises(ValueError, match="malformed.*recalibrate"):
         DraftGraph.from_dict({"format_version": 1, "nodes": []})
+    with pytest.raises(ValueError, match="it has no nodes.*Recalibrate"):
+        DraftGraph.from_dict({**data, "nodes": []})
     # a pair without its token rank, a rank that is no number, ranks that are not integers
     for broken in ([[0]], [[0, "x"]], [[0.7, 1.9]], [[0, "1"]], [[True, 0]]):
         with pytest.raises(ValueError, match="malformed.*recalibrate"):
@@ -560,6 +562,15 @@ def test_bad_decoding_inputs_are_refused():
             diffusion_generate(model, **{"input_ids": prompt, "config": config(), **kwargs})
     with pytest.raises(ValueError, match=r"one prompt per tensor.*\(2, 4\)"):
         calibrate(model, [torch.zeros(2, 4, dtype=torch.long)], config(cache="dual"), progress=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_prompt_ids_of_a_non_integer_dtype_are_refused_saying_so(dtype):
+    model, prompt = tiny_dlm(), prompts(1)[0]
+    graph = calibrate(model, prompts(2), config(cache="dual"), num_nodes=4, progress=False)
+    for draft_graph in (None, graph):  # before: the embedding's "Expected tensor for argument #1 'indices' ..."
+        with pytest.raises(TypeError, match=f"input_ids must hold integer token ids, got {dtype}"):
+            diffusion_generate(model, prompt.to(dtype), config=config(cache="dual"), draft_graph=draft_graph)
 
 
 @pytest.mark.parametrize("options,message", [

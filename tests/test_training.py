@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import VOCAB, make_speculator, make_successor_target
+from conftest import VOCAB, make_speculator, make_successor_target, make_target
 
 import hf_specdiff
 from hf_specdiff import AutoSpeculator
@@ -215,6 +215,80 @@ def test_a_target_with_other_layers_than_llamas_trains_from_random_draft_layers(
     prompt = torch.tensor([[5, 9, 2, 7]])
     assert torch.equal(gpt2.generate(prompt, assistant_model=speculator, speculation="xpress", max_new_tokens=10),
                        gpt2.generate(prompt, do_sample=False, max_new_tokens=10))
+
+
+@pytest.mark.parametrize("family", ["Gemma2", "Olmo2"])
+def test_warm_start_gives_draft_layers_the_norm_scales_the_target_applies(family):
+    """Gemma's norms store 1 + weight and OLMo 2's follow the attention and the MLP: the warm start copies what each
+    norm does into the drafter's pre-norms (before: Gemma's weights as stored, near 0, zeroed the drafter's hidden
+    states, and OLMo 2's attention-output norm became the drafter's pre-MLP norm)."""
+    import transformers
+
+    from hf_specdiff.training import init_draft_layers_from_target
+
+    extra = dict(head_dim=16) if family == "Gemma2" else {}
+    target = make_target(config_class=getattr(transformers, f"{family}Config"),
+                         model_class=getattr(transformers, f"{family}ForCausalLM"), **extra)
+    with torch.no_grad():  # trained norms: no longer their initial identity
+        for name, parameter in target.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.2, 0.6)
+    speculator = AutoSpeculator.from_target(target, block_size=4, refiner_rank=8)
+    init_draft_layers_from_target(speculator, target, -1)
+    hidden = torch.randn(2, 5, target.config.hidden_size, dtype=target.dtype)
+    target_layer, draft_layer = target.model.layers[-1], speculator.drafter.layers[0]
+    close = dict(rtol=1e-5, atol=1e-5)  # (both norms compute in float32)
+    torch.testing.assert_close(speculator.drafter.norm(hidden), target.model.norm(hidden), **close)
+    if family == "Gemma2":
+        torch.testing.assert_close(draft_layer.input_layernorm(hidden), target_layer.input_layernorm(hidden), **close)
+        torch.testing.assert_close(draft_layer.post_attention_layernorm(hidden),
+                                   target_layer.pre_feedforward_layernorm(hidden), **close)
+    else:  # no norm before OLMo 2's MLP: the drafter's stays the identity's scale
+        assert torch.equal(draft_layer.post_attention_layernorm.weight,
+                           torch.ones_like(draft_layer.post_attention_layernorm.weight))
+
+
+def test_warm_started_mlp_computes_as_the_targets_with_its_activation():
+    """Gemma's configs name the MLP's activation `hidden_activation` (GELU): the drafter takes it, so that its copy
+    of the target's MLP computes the target's MLP (before: SiLU, the default, over weights trained for GELU)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from hf_specdiff.training import init_draft_layers_from_target
+
+    target = make_target(config_class=Gemma2Config, model_class=Gemma2ForCausalLM, head_dim=16)
+    speculator = AutoSpeculator.from_target(target, block_size=4, refiner_rank=8)
+    init_draft_layers_from_target(speculator, target, -1)
+    hidden = torch.randn(2, 5, target.config.hidden_size, dtype=target.dtype)
+    torch.testing.assert_close(speculator.drafter.layers[0].mlp(hidden), target.model.layers[-1].mlp(hidden))
+
+
+def test_warm_start_splits_fused_projections_and_names_the_weights_it_leaves_random(recwarn):
+    """Phi-3 fuses q/k/v and gate/up into one projection each: the warm start splits them, so the drafter's copy
+    computes the target's MLP, with no warning (before: silently left at random beside the copied o_proj and
+    down_proj). A mixture of experts has no MLP of the drafter's shape: its draft MLP starts at random, and a warning
+    names those weights."""
+    from transformers import Phi3Config, Phi3ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from hf_specdiff.training import init_draft_layers_from_target
+
+    phi3 = make_target(config_class=Phi3Config, model_class=Phi3ForCausalLM)
+    speculator = AutoSpeculator.from_target(phi3, block_size=4, refiner_rank=8)
+    init_draft_layers_from_target(speculator, phi3, -1)
+    assert not [w for w in recwarn if "start at random" in str(w.message)]
+    hidden = torch.randn(2, 5, phi3.config.hidden_size, dtype=phi3.dtype)
+    draft_layer, target_layer = speculator.drafter.layers[0], phi3.model.layers[-1]
+    torch.testing.assert_close(draft_layer.mlp(hidden), target_layer.mlp(hidden))
+    q, k, v = (getattr(draft_layer.self_attn, f"{name}_proj").weight for name in "qkv")
+    assert torch.equal(torch.cat([q, k, v]), target_layer.self_attn.qkv_proj.weight)
+
+    moe = make_target(config_class=Qwen2MoeConfig, model_class=Qwen2MoeForCausalLM, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    speculator = AutoSpeculator.from_target(moe, block_size=4, refiner_rank=8)
+    with pytest.warns(UserWarning, match=r"'mlp.down_proj.weight', 'mlp.gate_proj.weight', 'mlp.up_proj.weight'\]"
+                      r" .* start at random, the rest is copied"):
+        init_draft_layers_from_target(speculator, moe, -1)
+    copied = speculator.drafter.layers[0].self_attn.o_proj.weight
+    assert torch.equal(copied, moe.model.layers[-1].self_attn.o_proj.weight)
 
 
 def test_a_vision_language_target_trains_from_its_folder(tmp_path):

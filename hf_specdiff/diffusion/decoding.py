@@ -472,6 +472,10 @@ def _check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) 
     if not torch.is_tensor(input_ids):
         raise TypeError(f"input_ids must be a tensor of token ids (tokenizer(..., return_tensors='pt')), got "
                         f"{type(input_ids).__name__}.")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        # caught here, it would fail in the embedding lookup, deep in the first forward
+        raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}: pass the tokenizer's ids "
+                        "(torch.long), or .long() of them.")
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be (batch, prompt length) with at least one token, got "
                          f"{tuple(input_ids.shape)}.")

@@ -395,6 +395,12 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
     # 1. Data, base, [MASK] id: everything that can be wrong is checked before the first step, the data before the
     # base loads.
     sequences = read_sequences(config.data, config.max_seq_len)
+    if len(sequences) <= config.eval_sequences:
+        raise ValueError(
+            f"Only {len(sequences)} usable rows: need more than eval_sequences={config.eval_sequences} (the held-out "
+            f"rows) to train on. A row is dropped where its prompt leaves fewer than 2 answer tokens within "
+            f"max_seq_len={config.max_seq_len}: add data, raise --max-seq-len or lower --eval-sequences."
+        )
     base_name = _base_name(config, base)
     if base is None:
         base, own_tokenizer = load_base(base_name, with_tokenizer=True)
@@ -407,8 +413,6 @@ def train_diffusion(config: DiffusionTrainConfig, base=None, tokenizer=None, pro
     if any(mask_id in row["ids"] for row in sequences):
         raise ValueError(f"mask_token_id={mask_id} occurs in the training data: [MASK] must be a token the data never "
                          "uses; choose another reserved token id.")
-    if len(sequences) <= config.eval_sequences:
-        raise ValueError(f"Only {len(sequences)} usable rows: need more than eval_sequences={config.eval_sequences}.")
     eos_id = config.eos_token_id if config.eos_token_id is not None else model.config.eos_token_id
     eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
