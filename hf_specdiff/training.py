@@ -433,24 +433,24 @@ def init_draft_layers_from_target(speculator: Speculator, target, layer: int) ->
     output and is left out."""
     decoder = target.get_decoder()
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)  # (GPT-2's family keeps them in `h`)
+    own = speculator.drafter.layers[0].state_dict()  # (every draft layer has the same weights)
+    source = _layer_weights(layers[layer], own) if layers is not None else {}
+    copied = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
+    if not copied:
+        raise ValueError(
+            f"init_from_target_layer={layer} copies a target decoder layer into each draft layer, and "
+            f"{type(target).__name__}'s layers name their weights unlike the drafter's (Llama's q_proj, gate_proj, "
+            "...), so nothing would be copied. Start the draft layers at random: init_from_target_layer=None "
+            "(`--init-from-target-layer none`)."
+        )
+    # (a norm left out starts as the identity, as a target without it has none)
+    if left_random := sorted(k for k in own if k not in copied and not k.rsplit(".", 2)[-2].endswith("norm")):
+        warnings.warn(
+            f"init_from_target_layer={layer}: {type(target).__name__}'s layers have no weights of the drafter's "
+            f"names and shapes for {left_random} (a mixture of experts, a layout unlike Llama's): those start at "
+            "random, the rest is copied. Pass init_from_target_layer=None (`--init-from-target-layer none`) to "
+            "start every draft weight at random.", stacklevel=2)
     for draft_layer in speculator.drafter.layers:
-        own = draft_layer.state_dict()
-        source = _layer_weights(layers[layer], own) if layers is not None else {}
-        copied = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
-        if not copied:
-            raise ValueError(
-                f"init_from_target_layer={layer} copies a target decoder layer into each draft layer, and "
-                f"{type(target).__name__}'s layers name their weights unlike the drafter's (Llama's q_proj, gate_proj, "
-                "...), so nothing would be copied. Start the draft layers at random: init_from_target_layer=None "
-                "(`--init-from-target-layer none`)."
-            )
-        # (a norm left out starts as the identity, as a target without it has none)
-        if left_random := sorted(k for k in own if k not in copied and not k.rsplit(".", 2)[-2].endswith("norm")):
-            warnings.warn(
-                f"init_from_target_layer={layer}: {type(target).__name__}'s layers have no weights of the drafter's "
-                f"names and shapes for {left_random} (a mixture of experts, a layout unlike Llama's): those start at "
-                "random, the rest is copied. Pass init_from_target_layer=None (`--init-from-target-layer none`) to "
-                "start every draft weight at random.", stacklevel=2)
         draft_layer.load_state_dict(copied, strict=False)
     if getattr(getattr(decoder, "norm", None), "weight", None) is not None:
         speculator.drafter.norm.weight.data.copy_(_norm_scale(decoder.norm))
