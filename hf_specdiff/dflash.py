@@ -61,12 +61,17 @@ class DFlashConfig(Qwen3Config):
             A few entries of that target's input embedding table (`embedding_sample`): the drafter reads through the
             target's embedding and lm_head, so another target of the same shapes would get drafts it rarely accepts;
             generate warns when they differ.
+        qkv_bias (`bool`, defaults to `False`):
+            Biases on the query, key and value projections only, as Qwen2's attention has them (Qwen3's
+            `attention_bias` puts them on all four projections), so that a draft layer warm-started from such a
+            target's layer keeps them.
     """
 
     block_size: int = 16
     dflash_config: dict | None = None
     num_target_layers: int | None = None
     target_embedding_sample: list[float] | None = None
+    qkv_bias: bool = False
 
     def __post_init__(self, **kwargs):
         self.dflash_config = dict(self.dflash_config or {})
@@ -151,11 +156,11 @@ class DFlashAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        qkv_bias = config.attention_bias or config.qkv_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 

@@ -39,7 +39,7 @@ from torch import nn
 
 from .draft_vocab import VocabRows, draft_read_outs, token_ids_of, top_tokens
 from .markov import markov_decode
-from .speculator import AutoSpeculator, Speculator
+from .speculator import AutoSpeculator, Speculator, target_decoder_layers
 from .xpress import jacobi_refine
 
 MIXED_PRECISIONS = ("no", "bf16", "fp16")  # accelerate's
@@ -431,8 +431,7 @@ def init_draft_layers_from_target(speculator: Speculator, target, layer: int) ->
     (`post_attention_layernorm`, Llama's name) takes the target's pre-MLP norm: Gemma 2/3's
     `pre_feedforward_layernorm`, while their `post_attention_layernorm`, like OLMo 2's, normalises the attention's
     output and is left out."""
-    decoder = target.get_decoder()
-    layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)  # (GPT-2's family keeps them in `h`)
+    decoder, layers = target.get_decoder(), target_decoder_layers(target)
     own = speculator.drafter.layers[0].state_dict()  # (every draft layer has the same weights)
     source = _layer_weights(layers[layer], own) if layers is not None else {}
     copied = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
@@ -450,6 +449,12 @@ def init_draft_layers_from_target(speculator: Speculator, target, layer: int) ->
             f"names and shapes for {left_random} (a mixture of experts, a layout unlike Llama's): those start at "
             "random, the rest is copied. Pass init_from_target_layer=None (`--init-from-target-layer none`) to "
             "start every draft weight at random.", stacklevel=2)
+    if dropped := sorted(k for k in source if k.endswith(".bias") and k not in own):
+        warnings.warn(
+            f"init_from_target_layer={layer}: {type(target).__name__}'s layers have biases {dropped} that this "
+            "speculator's draft layers have no place for: the copy computes without them. A speculator made by "
+            "`AutoSpeculator.from_target` (`hf-specdiff train` makes one) takes the target's attention biases.",
+            stacklevel=2)
     for draft_layer in speculator.drafter.layers:
         draft_layer.load_state_dict(copied, strict=False)
     if getattr(getattr(decoder, "norm", None), "weight", None) is not None:
@@ -459,6 +464,8 @@ def init_draft_layers_from_target(speculator: Speculator, target, layer: int) ->
 # a target's fused projections (Phi-3's), each the drafter's projections stacked along the output
 _FUSED_PROJECTIONS = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                                     "self_attn.v_proj.weight"),
+                      "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                                  "self_attn.v_proj.bias"),
                       "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 
 
