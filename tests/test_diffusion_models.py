@@ -416,6 +416,21 @@ def test_loading_errors(published, tmp_path):
         AutoDiffusionLM()
 
 
+def test_decoding_sdar_in_blocks_of_another_size_than_it_was_trained_with_warns(published, recwarn):
+    """SDAR's config.json records the block size it was trained with (4 here) and its attention is block-causal over
+    the decoding's blocks: blocks of another size warn, naming the size to pass (before: silently); its own size
+    decodes without the warning."""
+    from hf_specdiff.diffusion import DiffusionGenerationConfig, diffusion_generate
+
+    model = AutoDiffusionLM.from_pretrained(published("sdar")[0])
+    prompt = torch.tensor([[5, 9, 2, 7]])
+    with pytest.warns(UserWarning, match=r"trained with blocks of 4 tokens .* Pass block_length=4"):
+        diffusion_generate(model, prompt, config=DiffusionGenerationConfig(max_new_tokens=8, block_length=8))
+    diffusion_generate(model, prompt, config=DiffusionGenerationConfig(max_new_tokens=8, block_length=4))
+    assert not [w for w in recwarn if "trained with blocks" in str(w.message)]
+    assert AutoDiffusionLM.from_pretrained(published("llada")[0]).trained_block_length is None
+
+
 def test_forward_errors(published):
     model = AutoDiffusionLM.from_pretrained(published("sdar")[0])
     ids, _ = inputs()

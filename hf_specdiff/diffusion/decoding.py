@@ -121,6 +121,14 @@ class DiffusionGenerationConfig:
             )
         if model.shift_logits and model.block_causal:
             raise ValueError("A block-causal model with shifted logits is not supported; set one of them off.")
+        if (trained := getattr(model, "trained_block_length", None)) and trained != self.block_length:
+            # block-causal attention follows block_length: blocks of another size attend as in no training example
+            warn_at_caller(
+                f"This block-causal model was trained with blocks of {trained} tokens (its config.json's block_size), "
+                f"and block_length={self.block_length} decodes it in blocks of another size, attending across "
+                f"positions as it never did in training: expect worse answers. Pass block_length={trained} "
+                f"(`--block-length {trained}`) unless that is what you mean to measure."
+            )
         if self.cache != "none" and not getattr(model, "supports_kv", True):
             raise ValueError(
                 f"cache={self.cache!r} needs a model that returns and reuses key/values; this adapter does not. "

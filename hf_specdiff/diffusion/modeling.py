@@ -410,6 +410,12 @@ class DiffusionLM(PreTrainedModel):
     def block_causal(self) -> bool:
         return self.config.block_causal
 
+    @property
+    def trained_block_length(self) -> int | None:
+        """The block length a block-causal model was trained with (SDAR's config.json names it `block_size`), or None
+        where the model is bidirectional or its config does not say."""
+        return (self.config.published_config or {}).get("block_size") if self.block_causal else None
+
     def forward(self, input_ids: torch.LongTensor, position_ids: torch.LongTensor | None = None,
                 attention_mask: torch.Tensor | None = None, past_key_values: list | None = None,
                 return_key_values: bool = False) -> DiffusionLMOutput:
