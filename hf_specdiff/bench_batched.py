@@ -37,6 +37,7 @@ import torch
 
 from .batching import left_pad, stop_and_pad_ids, until_stop
 from .bench import (
+    METHODS,
     PHASES_NOTE,
     TOKENIZER_REMEDY,
     BenchConfig,
@@ -46,6 +47,8 @@ from .bench import (
     _lossless_check,
     _method_runs,
     _sampling_check,
+    check_ar_options,
+    check_bench_config,
     check_prompt_vocabulary,
     compile_note,
     data_folder,
@@ -99,6 +102,10 @@ def curve_prompts(prompts: list, batch_sizes: list[int]) -> list:
 def run_batch_bench(config: BenchConfig, target=None, tokenizer=None, speculator=None, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
+    # called directly (the Python API) as well as from `run_bench`: options that would be ignored, miscounted (a size
+    # given twice is one curve point of both runs' batches) or fail after the models load raise here too
+    check_bench_config(config, METHODS)
+    check_ar_options(config)
     _check_batch_config(config)
     prompts = load_prompts(config)
     data_dir = data_folder(config)  # recorded: the folder the prompts were read from
@@ -248,7 +255,8 @@ def batch_markdown_table(result: dict) -> str:
 
 
 def plot_batch_curve(result: dict, folder: str | Path) -> list[Path]:
-    """batch_curve.png: tokens/s by batch size (left) and speedup over plain batched generate (right)."""
+    """batch_curve.png: tokens/s by batch size (left) and speedup over plain batched generate (right; left out, with a
+    warning, when only ar ran, as the batch-1 plots leave out speedup.png)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -257,21 +265,31 @@ def plot_batch_curve(result: dict, folder: str | Path) -> list[Path]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     sizes = sorted(int(size) for size in result["curve"])  # results written before sizes were sorted too
-    fig, (speed, ratio) = plt.subplots(1, 2, figsize=(9, 3.5))
+    compared = [name for name in result["runs"] if name != "ar"]
+    if compared:
+        fig, (speed, ratio) = plt.subplots(1, 2, figsize=(9, 3.5))
+    else:  # an empty panel would only confuse (and matplotlib warns of a legend without entries)
+        from ._warnings import warn_at_caller
+
+        warn_at_caller(f"--plots {folder}: batch_curve.png shows tokens/s only, no speedup: only ar ran, add another "
+                       "method to --methods.")
+        fig, speed = plt.subplots(1, 1, figsize=(4.5, 3.5))
+        ratio = None
     for index, name in enumerate(result["runs"]):
         per_size = [result["curve"][str(size)][name] for size in sizes]
         style = dict(marker="o", label=name, color=f"C{index}")  # one colour per method in both panels
         speed.plot(sizes, [e["tokens_per_s"] for e in per_size], **style)
-        if name != "ar":
+        if name in compared:
             ratio.plot(sizes, [e["speedup_vs_ar"] for e in per_size], **style)
-    for ax in (speed, ratio):
+    for ax in (speed, ratio) if ratio is not None else (speed,):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(size) for size in sizes])
         ax.set_xlabel("batch size")
         ax.legend(fontsize=8)
     speed.set_ylabel("tokens/s (all rows)")
-    ratio.axhline(1.0, color="black", linewidth=0.8)
-    ratio.set_ylabel("tokens/s vs plain batched generate")
+    if ratio is not None:
+        ratio.axhline(1.0, color="black", linewidth=0.8)
+        ratio.set_ylabel("tokens/s vs plain batched generate")
     fig.tight_layout()
     path = folder / "batch_curve.png"
     fig.savefig(path, dpi=120)

@@ -139,7 +139,9 @@ def first_stop(new_tokens, emitted, rows, stopping_criteria, generation_config, 
     if not others:
         return [min(found) if found else None for found in stops]
     starts = [length - n for length, n in zip(lengths, emitted)]  # prefix length before the new tokens
-    ends = [start + min(found, default=n) for start, found, n in zip(starts, stops, emitted)]  # last prefix to ask
+    # the last prefix to ask: the whole run, or up to the token at which EOS or the max length stops it, which plain
+    # decoding also asks every criterion about (one that logs or counts the tokens it is shown would miss it)
+    ends = [start + (min(found) + 1 if found else n) for start, found, n in zip(starts, stops, emitted)]
     whole = len(rows.rows) == rows.batch_size
     pending = set(range(len(emitted)))
     for prefix_length in range(min(starts) + 1, max(ends) + 1):
@@ -656,6 +658,14 @@ def _check_decoding_inputs(model, input_ids, generation_config, model_kwargs, lo
                 f"speculation=... needs the attention_mask of the prompt in inputs_embeds, {tuple(embeds.shape[:2])}; "
                 f"got {tuple(mask.shape)}."
             )
+    elif mask is not None and tuple(mask.shape) != tuple(input_ids.shape):
+        # a mask of another batch or width fails deep inside the first forward (a size error from the rotary
+        # embedding, an IndexError from the model's masking), or looks right-padded, naming neither the mask nor the fix
+        raise ValueError(
+            f"speculation=... got an attention_mask of shape {tuple(mask.shape)} for input_ids of shape "
+            f"{tuple(input_ids.shape)}: it needs one entry per prompt token, 1 for a token and 0 for left padding. "
+            "Pass the attention_mask the tokenizer returned with these input_ids (after slicing both alike), or none."
+        )
     if mask is not None and not bool(mask.all()):
         if bool((mask[:, 1:] < mask[:, :-1]).any()):
             raise ValueError(

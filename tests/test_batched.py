@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import (
@@ -277,6 +279,17 @@ def test_rows_finish_at_different_steps_and_leave_the_batch(method, record_draft
     assert (generated[0, 7:] == PAD).all() and (generated[2, 3:] == PAD).all()
     if method != "dflash":  # EOS came inside an accepted run, not at a block boundary
         assert out.speculation.row_accepted_lengths[0] == [6]
+
+
+def test_a_row_finished_at_the_prefill_has_no_tau():
+    """A row whose first token is EOS finishes at the prefill, before any verify step: its `row_tau` is None, not a 0
+    that reads as a row that accepted nothing, while the other rows' tau and the batch's are their steps' means."""
+    target = hf_specdiff.enable(make_successor_target(layer_scale=0.0, eos_token_id=17))
+    speculator = make_speculator(target, block_size=4, oracle=True)
+    ids, mask = left_pad([torch.tensor([15, 16]), torch.tensor([3, 4, 5])])  # row 0's first token: 17, EOS
+    stats = speculate(target, speculator, "xpress", ids, mask, do_sample=False, max_new_tokens=9).speculation
+    assert stats.row_accepted_lengths[0] == [] and stats.row_tau[0] is None
+    assert stats.row_tau[1] == stats.tau == sum(stats.row_accepted_lengths[1]) / len(stats.row_accepted_lengths[1]) > 1
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -699,6 +712,61 @@ def test_right_padding_is_refused(small):
         speculate(target, speculator, "dflash", ids, torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]), max_new_tokens=4)
     with pytest.raises(ValueError, match="all padding"):
         speculate(target, speculator, "dflash", ids, torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]), max_new_tokens=4)
+
+
+def test_an_attention_mask_of_another_shape_is_refused(small):
+    """A mask for another batch or prompt width than input_ids (one of them sliced, the other not) failed inside the
+    first forward, with a size error from the rotary embedding or an IndexError from the model's masking, or was called
+    right padding (a wider one)."""
+    target, speculator = small
+    ids, mask = left_pad([torch.tensor([4, 9, 1]), torch.tensor([5, 6]), torch.tensor([7])])
+    wider = torch.cat([mask, torch.zeros(3, 1, dtype=mask.dtype)], dim=1)
+    for wrong in (mask[:, 1:], mask[:2], wider):  # only their shapes are wrong
+        with pytest.raises(ValueError, match=rf"attention_mask of shape \({wrong.shape[0]}, {wrong.shape[1]}\) for "
+                                             r"input_ids of shape \(3, 3\).*Pass the attention_mask the tokenizer"):
+            speculate(target, speculator, "xpress", ids, wrong, max_new_tokens=4)
+
+
+def test_the_batch_bench_checks_its_options_when_called_directly(tmp_path, monkeypatch):
+    """`bench_batched.run_batch_bench` is the batch curve's Python API: called without `run_bench` it loaded the models
+    and ran with options `hf-specdiff bench` refuses (a size given twice merged two runs into one curve point, an
+    unused --jacobi-passes was ignored, max_new_tokens=0 failed in generate), and named an unknown method as one that
+    decodes a sequence at a time."""
+    from hf_specdiff.bench import BenchConfig
+    from hf_specdiff.bench_batched import run_batch_bench
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "What is {n} times 7?"}}\n' for n in range(4)))
+    monkeypatch.setattr("hf_specdiff.bench_batched.load_models", lambda *_, **__: pytest.fail("the models loaded"))
+    refused = {r"Unknown methods \['bogus'\]": dict(methods=["ar", "bogus"]),
+               "--max-new-tokens must be >= 1": dict(max_new_tokens=0),
+               r"--batch-size lists \[2\] more than once": dict(batch_size=[2, 2]),
+               r"--jacobi-passes \[2\] \(xpress, xpress_static\): no method": dict(jacobi_passes=[2]),
+               "--temperature must be >= 0": dict(temperature=-1.0)}
+    for message, options in refused.items():
+        config = BenchConfig(**{"prompts": str(prompts), "limit": 0, "methods": ["ar", "dflash"], "batch_size": [2],
+                                **options})
+        with pytest.raises(ValueError, match=message):
+            run_batch_bench(config, progress=False)
+
+
+def test_a_batch_curve_of_plain_generate_alone_plots_tokens_per_second_and_says_why_no_speedup(tmp_path):
+    """`--methods ar --batch-size ... --plots DIR` drew an empty speedup panel, with matplotlib's "No artists with
+    labels found" as its only warning; the batch-1 plots leave such a plot out and say why."""
+    pytest.importorskip("matplotlib")
+    from test_bench import _made_up_curve
+
+    from hf_specdiff.bench_batched import plot_batch_curve
+
+    with pytest.warns(UserWarning) as caught:
+        paths = plot_batch_curve(_made_up_curve(["ar"], prompts=2, temperature=0.0), tmp_path / "ar")
+    messages = [str(warning.message) for warning in caught]
+    assert any("batch_curve.png shows tokens/s only, no speedup: only ar ran" in m for m in messages), messages
+    assert not any("No artists" in m for m in messages), messages
+    assert [path.name for path in paths] == ["batch_curve.png"] and paths[0].stat().st_size > 0
+    with warnings.catch_warnings():  # beside another method both panels are drawn, without a warning
+        warnings.simplefilter("error")
+        plot_batch_curve(_made_up_curve(["ar", "dflash"], prompts=2, temperature=0.0), tmp_path / "both")
 
 
 def test_a_target_rotating_keys_by_cache_slot_is_refused_in_batches():

@@ -795,6 +795,46 @@ def test_a_subclassed_warper_that_reads_the_prefix_gets_it(method):
                              logits_processor=LogitsProcessorList([NoImmediateRepeat(1.0)]))
 
 
+@pytest.mark.parametrize("draft_vocab", [False, True], ids=["whole-vocabulary", "draft-vocabulary"])
+def test_processors_reading_neither_prefix_nor_ids_score_a_block_in_one_call(draft_vocab, monkeypatch):
+    """`renormalize_logits`, `remove_invalid_values` and `top_h` build processors (LogitNormalization,
+    InfNanRemoveLogitsProcessor, TopHLogitsWarper) that read neither the tokens before a position nor which token a
+    column is: a block's drafts and its verification are each scored in one call, as with temperature or top-k, and on a
+    draft vocabulary's columns as they are. They ran slot by slot before: a call per slot and per Jacobi pass (with
+    top_h, xpress's refinement of the shipped speculator took 4x as long under sampling)."""
+    from transformers.generation.logits_process import LogitNormalization
+
+    from hf_specdiff import Speculator
+
+    calls = []
+    original = LogitNormalization.__call__
+    monkeypatch.setattr(LogitNormalization, "__call__", lambda self, *args: calls.append(1) or original(self, *args))
+    target = hf_specdiff.enable(make_successor_target())
+    speculator = make_speculator(target, oracle=True)
+    if draft_vocab:  # every third token left out: the columns are not the token ids
+        vocab = torch.tensor([t for t in range(VOCAB) if t % 3])
+        speculator = Speculator(speculator.drafter, speculator.refiner, speculator.markov_head, draft_vocab=vocab)
+    options = dict(renormalize_logits=True, remove_invalid_values=True, max_new_tokens=16)
+    for _, prompt in prompts(count=2, seed=5):
+        assert_same_as_plain(target, speculator, "dflash", prompt, **options)
+        calls.clear()
+        stats = target.generate(prompt, do_sample=False, assistant_model=speculator, speculation="dflash",
+                                return_dict_in_generate=True, **options).speculation
+        # one call per target forward (the prefill's token, then each verification) and one per block drafted
+        assert len(calls) == stats.target_forwards + stats.blocks, (len(calls), stats.target_forwards, stats.blocks)
+        plain = target.generate(prompt, do_sample=False, return_dict_in_generate=True, output_scores=True, **options)
+        out = target.generate(prompt, do_sample=False, assistant_model=speculator, speculation="xpress",
+                              return_dict_in_generate=True, output_scores=True, **options)
+        for ours, theirs in zip(out.scores, plain.scores, strict=True):
+            torch.testing.assert_close(ours, theirs)
+    sampled = dict(do_sample=True, top_h=0.6, renormalize_logits=True, max_new_tokens=8)
+    for method in METHODS:  # sampled: a seed gives the same tokens again (the distribution: test_sampling.py)
+        torch.manual_seed(0)
+        first = target.generate(prompt, assistant_model=speculator, speculation=method, **sampled)
+        torch.manual_seed(0)
+        assert torch.equal(target.generate(prompt, assistant_model=speculator, speculation=method, **sampled), first)
+
+
 def test_stateless_watermark_is_lossless():
     """WatermarkingConfig's processor seeds itself from the prefix at every call (no state): allowed and exact."""
     from transformers import WatermarkingConfig
@@ -819,6 +859,35 @@ def test_user_stopping_criteria_fire_inside_a_block():
     out = target.generate(prompt, do_sample=False, max_new_tokens=40, stopping_criteria=criteria,
                           assistant_model=speculator, speculation="xpress")
     assert plain[0, -1].item() == 20 and torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("method", ["xpress", "markov"])
+def test_stopping_criteria_are_shown_the_prefixes_plain_generate_shows_them(method):
+    """A criterion (one that logs, streams or counts what it is shown) sees every prefix plain decoding shows it, with
+    the same scores so far, the last one included: the token at which EOS or the max length stops the run, inside an
+    accepted block or not (it was not asked about that one before)."""
+    class Record(StoppingCriteria):
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.seen.append((input_ids[0].tolist(), None if scores is None else torch.stack(scores)))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    target = hf_specdiff.enable(make_successor_target(eos_token_id=17))
+    speculator = make_speculator(target, oracle=True)
+    for prompt, max_new_tokens in ((torch.tensor([[3, 4, 5, 6]]), 30), (torch.tensor([[30, 31]]), 9)):
+        for with_scores in (False, True):
+            seen = []
+            for spec in ({}, dict(assistant_model=speculator, speculation=method)):
+                criterion = Record()
+                target.generate(prompt, do_sample=False, max_new_tokens=max_new_tokens, repetition_penalty=1.2,
+                                stopping_criteria=StoppingCriteriaList([criterion]),
+                                return_dict_in_generate=with_scores, output_scores=with_scores, **spec)
+                seen.append(criterion.seen)
+            assert [tokens for tokens, _ in seen[1]] == [tokens for tokens, _ in seen[0]], (len(seen[1]), len(seen[0]))
+            for (_, ours), (_, theirs) in zip(*seen):
+                torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)  # None for both without output_scores
 
 
 def test_generate_arguments_passed_by_position_act_as_passed_by_keyword():

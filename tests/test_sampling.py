@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor, TopPLogitsWarper
+from transformers.generation.logits_process import TopHLogitsWarper
 
 from conftest import accept_every_draft, chi_square_p_value, exact_distribution, make_sampling_pair
 
@@ -62,7 +63,10 @@ def test_speculative_sampling_matches_target_distribution(setup, method, tempera
 @pytest.mark.parametrize(
     "method,options,processor",
     [("xpress", {"no_repeat_ngram_size": 2}, NoRepeatNGramLogitsProcessor(2)),
-     ("dflash", {"top_p": 0.8}, TopPLogitsWarper(0.8))],
+     ("dflash", {"top_p": 0.8}, TopPLogitsWarper(0.8)),
+     # scored a block at a time, as top-p is (neither reads the prefix nor which token a column is); renormalizing
+     # the log-probabilities leaves the distribution as it is
+     ("markov", {"top_h": 0.6, "renormalize_logits": True}, TopHLogitsWarper(0.6))],
 )
 def test_speculative_sampling_with_logits_processors_matches_target_distribution(setup, method, options, processor):
     """A processor that reads the history scores each draft position with the drafts before it: banning a repeated
