@@ -27,7 +27,8 @@ from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from . import _compat
 from ._attention import grouped_query_attention
@@ -65,6 +66,9 @@ class DFlashConfig(Qwen3Config):
             Biases on the query, key and value projections only, as Qwen2's attention has them (Qwen3's
             `attention_bias` puts them on all four projections), so that a draft layer warm-started from such a
             target's layer keeps them.
+        mlp_bias (`bool`, defaults to `False`):
+            Biases on the MLP's gate, up and down projections, as Llama's config names them (Granite and other Llama
+            derivatives set it), for the same reason.
     """
 
     block_size: int = 16
@@ -72,6 +76,7 @@ class DFlashConfig(Qwen3Config):
     num_target_layers: int | None = None
     target_embedding_sample: list[float] | None = None
     qkv_bias: bool = False
+    mlp_bias: bool = False
 
     def __post_init__(self, **kwargs):
         self.dflash_config = dict(self.dflash_config or {})
@@ -189,7 +194,7 @@ class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
         self.self_attn = DFlashAttention(config, layer_idx)
-        self.mlp = Qwen3MLP(config)
+        self.mlp = LlamaMLP(config)  # Qwen3's MLP with `mlp_bias` (Qwen3's own has no biases)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

@@ -361,14 +361,15 @@ def target_decoder_layers(target) -> nn.ModuleList | None:
     return getattr(decoder, "layers", None) or getattr(decoder, "h", None)
 
 
-def _attention_biases(target) -> dict[str, bool]:
-    """The drafter's bias settings that give its attention the biases the target's has (read from the target's first
+def _layer_biases(target) -> dict[str, bool]:
+    """The drafter's bias settings that give its layers the biases the target's have (read from the target's first
     layer, named as Llama's): `qkv_bias` for biases on q/k/v (Qwen2, fused or not), `attention_bias` for biases on
-    all four projections (Llama with `attention_bias`)."""
+    all four projections (Llama with `attention_bias`), `mlp_bias` for biases on the MLP's (Llama with `mlp_bias`)."""
     layers = target_decoder_layers(target)
     names = set(layers[0].state_dict()) if layers else set()
     qkv = any(name in names for name in ("self_attn.q_proj.bias", "self_attn.qkv_proj.bias"))
-    return {"qkv_bias": qkv, "attention_bias": qkv and "self_attn.o_proj.bias" in names}
+    mlp = any(name in names for name in ("mlp.gate_proj.bias", "mlp.gate_up_proj.bias", "mlp.down_proj.bias"))
+    return {"qkv_bias": qkv, "attention_bias": qkv and "self_attn.o_proj.bias" in names, "mlp_bias": mlp}
 
 
 def _quantized_module(model) -> str | None:
@@ -640,7 +641,7 @@ class AutoSpeculator:
             num_target_layers=text.num_hidden_layers,
             dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
             target_embedding_sample=embedding_sample(target),
-            **_attention_biases(target),  # (for a warm start that copies them; zero, as a random start has them)
+            **_layer_biases(target),  # (for a warm start that copies them; zero, as a random start has them)
             architectures=["DFlashDraftModel"],
             use_cache=False,
         )

@@ -453,7 +453,7 @@ def init_draft_layers_from_target(speculator: Speculator, target, layer: int) ->
         warnings.warn(
             f"init_from_target_layer={layer}: {type(target).__name__}'s layers have biases {dropped} that this "
             "speculator's draft layers have no place for: the copy computes without them. A speculator made by "
-            "`AutoSpeculator.from_target` (`hf-specdiff train` makes one) takes the target's attention biases.",
+            "`AutoSpeculator.from_target` (`hf-specdiff train` makes one) takes the target's attention and MLP biases.",
             stacklevel=2)
     for draft_layer in speculator.drafter.layers:
         draft_layer.load_state_dict(copied, strict=False)
@@ -466,7 +466,8 @@ _FUSED_PROJECTIONS = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "
                                                     "self_attn.v_proj.weight"),
                       "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
                                                   "self_attn.v_proj.bias"),
-                      "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+                      "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                      "mlp.gate_up_proj.bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias")}
 
 
 def _layer_weights(target_layer: nn.Module, draft_weights: dict) -> dict[str, torch.Tensor]:

@@ -291,18 +291,18 @@ def test_warm_start_splits_fused_projections_and_names_the_weights_it_leaves_ran
     assert torch.equal(copied, moe.model.layers[-1].self_attn.o_proj.weight)
 
 
-def test_warm_start_keeps_the_attention_biases_of_the_target(tmp_path, recwarn):
-    """Qwen2's q/k/v projections have biases (its o_proj none), Llama's all four with `attention_bias`: the drafter
-    gets the same and the warm start copies them, so each draft projection computes the target's, and the drafter
-    saves and loads with them (before: copied without their biases, silently). Biases a speculator has no place for
-    (Llama's `mlp_bias`) are named in a warning."""
+def test_warm_start_keeps_the_biases_of_the_target(tmp_path, recwarn):
+    """Qwen2's q/k/v projections have biases (its o_proj none), Llama's all four with `attention_bias` and its MLP's
+    three with `mlp_bias`: the drafter gets the same and the warm start copies them, so each draft projection
+    computes the target's, and the drafter saves and loads with them (before: copied without their biases,
+    silently; the MLP's then only named in a warning)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from hf_specdiff.training import init_draft_layers_from_target
 
     qwen2 = make_target(config_class=Qwen2Config, model_class=Qwen2ForCausalLM)
-    llama = make_target(attention_bias=True)
-    for target, has_o_bias in ((qwen2, False), (llama, True)):
+    llama = make_target(attention_bias=True, mlp_bias=True)
+    for target, has_o_bias, has_mlp_bias in ((qwen2, False, False), (llama, True, True)):
         with torch.no_grad():  # trained biases: not their initial zeros
             for name, parameter in target.named_parameters():
                 if name.endswith(".bias"):
@@ -310,20 +310,28 @@ def test_warm_start_keeps_the_attention_biases_of_the_target(tmp_path, recwarn):
         speculator = AutoSpeculator.from_target(target, block_size=4, refiner_rank=8)
         init_draft_layers_from_target(speculator, target, -1)
         hidden = torch.randn(2, 5, target.config.hidden_size, dtype=target.dtype)
-        draft, source = speculator.drafter.layers[0].self_attn, target.model.layers[-1].self_attn
+        draft_layer, target_layer = speculator.drafter.layers[0], target.model.layers[-1]
+        draft, source = draft_layer.self_attn, target_layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             torch.testing.assert_close(getattr(draft, name)(hidden), getattr(source, name)(hidden))
+        torch.testing.assert_close(draft_layer.mlp(hidden), target_layer.mlp(hidden))
         assert (draft.o_proj.bias is not None) == has_o_bias
+        assert (draft_layer.mlp.down_proj.bias is not None) == has_mlp_bias
         speculator.save_pretrained(tmp_path / type(target).__name__)
-        loaded = AutoSpeculator.from_pretrained(tmp_path / type(target).__name__)
-        torch.testing.assert_close(loaded.drafter.layers[0].self_attn.q_proj.bias, draft.q_proj.bias)
+        loaded = AutoSpeculator.from_pretrained(tmp_path / type(target).__name__).drafter.layers[0]
+        torch.testing.assert_close(loaded.self_attn.q_proj.bias, draft.q_proj.bias)
+        torch.testing.assert_close(loaded.mlp(hidden), draft_layer.mlp(hidden))
     assert not [w for w in recwarn if "init_from_target_layer" in str(w.message)]
 
-    mlp_bias = make_target(mlp_bias=True)
-    speculator = AutoSpeculator.from_target(mlp_bias, block_size=4, refiner_rank=8)
-    with pytest.warns(UserWarning, match=r"biases \['mlp.down_proj.bias', 'mlp.gate_proj.bias', 'mlp.up_proj.bias'\]"
-                      " that this speculator's draft layers have no place for"):
-        init_draft_layers_from_target(speculator, mlp_bias, -1)
+    # StableLM's norms are LayerNorms with biases; the drafter's RMSNorms have none: copied as scales, and said
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    stablelm = make_target(config_class=StableLmConfig, model_class=StableLmForCausalLM, use_qkv_bias=True)
+    speculator = AutoSpeculator.from_target(stablelm, block_size=4, refiner_rank=8)
+    with pytest.warns(UserWarning, match=r"biases \['input_layernorm.bias', 'post_attention_layernorm.bias'\] that "
+                      "this speculator's draft layers have no place for"):
+        init_draft_layers_from_target(speculator, stablelm, -1)
+    assert speculator.drafter.config.qkv_bias and not speculator.drafter.config.mlp_bias
 
 
 def test_a_vision_language_target_trains_from_its_folder(tmp_path):
