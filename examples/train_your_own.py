@@ -35,6 +35,17 @@ if args.questions is None:
     args.questions = str(find_data_dir(None) / "gsm8k" / "train.jsonl")
 if not Path(args.questions).is_file():
     parser.error(f"--questions {args.questions}: no such file")
+questions = []  # read before the target loads, so that a wrong file fails at once
+with open(args.questions) as rows:
+    for number, line in zip(range(1, args.num_prompts + 1), rows):
+        try:
+            question = json.loads(line).get("question")
+        except (json.JSONDecodeError, AttributeError):
+            question = None
+        if not isinstance(question, str):
+            parser.error(f"--questions {args.questions}:{number} is not a JSON object with a `question` string: give "
+                         'one {"question": "..."} per line (`hf-specdiff distill --sources` takes "prompt" rows)')
+        questions.append(question)
 
 target, tokenizer = hf_specdiff.load_default_target()  # or AutoModelForCausalLM.from_pretrained(your_model)
 
@@ -42,9 +53,8 @@ target, tokenizer = hf_specdiff.load_default_target()  # or AutoModelForCausalLM
 out_dir = Path(args.output_dir)
 out_dir.mkdir(parents=True, exist_ok=True)
 data = out_dir / "answers.jsonl"
-with open(args.questions) as rows, data.open("w") as answers:
-    for i, line in zip(range(args.num_prompts), rows):
-        question = json.loads(line)["question"]
+with data.open("w") as answers:
+    for question in questions:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
         response = target.generate(ids, do_sample=False, max_new_tokens=64)[0, ids.shape[1]:]

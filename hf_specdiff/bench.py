@@ -520,7 +520,16 @@ def load_models(config: BenchConfig, target=None, tokenizer=None, speculator=Non
                          f"offer 1 to {block_size - 1} drafts.")
     from .embedded import target_and_tokenizer
 
+    default_target = target is None and config.target is None
     target, tokenizer = target_and_tokenizer(target, tokenizer, config.target, config.tokenizer, dtype)
+    try:  # before any prompt runs; the first generate call would find it after the warm-up
+        speculator.check_compatible(target, placement=False)
+    except ValueError as error:
+        if not (default_target and config.speculator):
+            raise
+        raise ValueError(f"{error}\n--speculator {config.speculator} is not for the embedded SmolLM2-135M-Instruct, "
+                         "which runs when no --target is given: pass the target it was trained for with --target.") \
+            from None
     target = hf_specdiff.enable(target.to(config.device).eval())
     return target, tokenizer, speculator.to(device=config.device, dtype=dtype)
 

@@ -76,12 +76,19 @@ def _parse(parser: argparse.ArgumentParser, subparsers: dict, argv: list[str] | 
             raise SystemExit(f"--config {args.config}: expected a JSON object of option names and values.")
         unknown = set(from_file) - set(vars(args))  # a command may fill several dataclasses from one file
         if unknown:
-            raise SystemExit(f"{args.config}: unknown options {sorted(unknown)}")
+            import difflib
+
+            known = sorted(set(vars(args)) - {"command", "config"})
+            hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, known, 1))
+                     else repr(name) for name in sorted(unknown)]
+            raise SystemExit(f"{args.config}: unknown options {', '.join(hints)}. A file names the options of "
+                             f"`hf-specdiff {args.command} --help` with _ for - (e.g. \"max_new_tokens\").")
         lists = {action.dest for action in subparsers[args.command]._actions if action.nargs in ("*", "+")}
         not_lists = sorted(name for name in lists & set(from_file)
                            if not isinstance(from_file[name], (list, type(None))))
         if not_lists:  # a string would be read one character at a time
-            raise SystemExit(f"{args.config}: {not_lists} must be JSON lists, e.g. \"data\": [\"answers.jsonl\"].")
+            raise SystemExit(f"{args.config}: {not_lists} must be JSON lists, e.g. \"{not_lists[0]}\": "
+                             f"{json.dumps([from_file[not_lists[0]]])}.")
         _check_config_types(args.config, subparsers[args.command], from_file)
         subparsers[args.command].set_defaults(**from_file)
         args = parser.parse_args(argv)
@@ -301,19 +308,23 @@ def export(args) -> None:
                          "`hf-specdiff train` or `hf-specdiff train-diffusion`.")
 
 
-def _quoted_bench(args, kind: str, measured_folders: tuple = ()) -> tuple[str, str]:
+def _quoted_bench(args, kind: str, base_model: str, embedded: bool, measured_folders: tuple = ()) -> tuple[str, str]:
     """(the card's Measured table, the command that reproduces it) from `--bench-json`, read and checked before
     anything is written (a typo must not leave a half export). The command is `--bench-command`, else the one the
-    result's recorded config implies. `measured_folders`: where the exported model may have been benched from; a
-    result that names another folder is warned of (the card would quote another model's figures)."""
+    result's recorded config implies, naming this model and its base model (`base_model`; none where `embedded`, the
+    bench's default) rather than paths on the exporting machine; with no result, the command that would measure
+    them. `measured_folders`: where the exported model may have been benched from; a result that names another
+    folder is warned of (the card would quote another model's figures)."""
     from pathlib import Path
 
     from .bench import markdown_table
-    from .bench_diffusion import diffusion_markdown_table
+    from .bench_diffusion import DIFFUSION_METHODS, diffusion_markdown_table
 
     path = args.bench_json
-    if path is None:
-        return "Not benchmarked yet.", args.bench_command or "hf-specdiff bench"
+    if path is None:  # (a bare `hf-specdiff bench` would measure the embedded target's shipped models, not this one)
+        this = ({"target": THIS_MODEL, "methods": list(DIFFUSION_METHODS)} if kind == "diffusion LM" else
+                {"speculator": THIS_MODEL} if embedded else {"target": base_model, "speculator": THIS_MODEL})
+        return "Not benchmarked yet.", args.bench_command or bench_command_line(this)
     try:
         result = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
@@ -332,6 +343,8 @@ def _quoted_bench(args, kind: str, measured_folders: tuple = ()) -> tuple[str, s
     except (KeyError, TypeError, IndexError, ValueError, AttributeError) as error:
         raise not_a_bench from error
     recorded = dict(result["config"])
+    if kind == "speculator" and isinstance(recorded.get("target"), str) and Path(recorded["target"]).is_dir():
+        recorded["target"] = None if embedded else base_model  # (the reader loads it by its Hub id)
     option = "speculator" if kind == "speculator" else "target"
     benched = (result.get("environment") or {}).get(option)
     if isinstance(benched, str) and Path(benched).is_dir():
@@ -456,7 +469,8 @@ def export_speculator(args) -> None:
     target = train_config.get("target")
     embedded = target is None or is_embedded_folder(target)
     base_model, card_license, text = _card_facts(args, target, embedded, train_config)
-    measured, bench_command = _quoted_bench(args, "speculator", (run / "speculator", args.output))
+    measured, bench_command = _quoted_bench(args, "speculator", base_model, embedded,
+                                            (run / "speculator", args.output))
     speculator = AutoSpeculator.from_pretrained(run / "speculator").to(getattr(torch, args.dtype))
     saved = run / SAVED_STEP_FILE
     log = log_of_saved_weights(load_train_log(run), json.loads(saved.read_text())["step"] if saved.is_file() else None)
@@ -507,7 +521,8 @@ def export_diffusion(args) -> None:
     published = json.loads((source / "config.json").read_text())
     base = published.get("base")
     base_model, card_license, text = _card_facts(args, base, base in (None, EMBEDDED_BASE), train_config)
-    measured, bench_command = _quoted_bench(args, "diffusion LM", (run / "diffusion_lm", args.output))
+    measured, bench_command = _quoted_bench(args, "diffusion LM", base_model, base in (None, EMBEDDED_BASE),
+                                            (run / "diffusion_lm", args.output))
     weights = {name: t.to(getattr(torch, args.dtype)).contiguous()
                for name, t in load_file(source / WEIGHTS_NAME).items()}
     output.mkdir(parents=True, exist_ok=True)

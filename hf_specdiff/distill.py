@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,6 +179,9 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
 
     prompts = collect_prompts(config)
     output = Path(config.output)
+    if output.is_dir():  # (else found only when the first answers are written, after the target has loaded)
+        raise IsADirectoryError(f"--output {output} is a folder: give the path of a JSONL file, e.g. "
+                                f"{output / 'answers.jsonl'}.")
     output.parent.mkdir(parents=True, exist_ok=True)
     done = answered_ids(output) if output.is_file() else set()
 
@@ -187,7 +191,7 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
                                              getattr(torch, config.dtype))
     target = target.to(config.device).eval()
 
-    todo = []
+    todo, too_long = [], []
     for prompt_id, prompt in prompts:
         if prompt_id in done:
             continue
@@ -195,6 +199,14 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
         ids = prompt_ids(tokenizer, messages)  # (a base model's: the messages' text)
         if len(ids) <= config.max_prompt_tokens:
             todo.append((prompt_id, prompt, ids))
+        else:
+            too_long.append(len(ids))
+    if too_long:  # skipped without a word, they left fewer answers than --limit asked for, or none at all
+        skipped = (f"{len(too_long)} of the {len(prompts)} prompts are longer than --max-prompt-tokens="
+                   f"{config.max_prompt_tokens} tokens (chat template included; the longest: {max(too_long)})")
+        if not todo and not done & {prompt_id for prompt_id, _ in prompts}:
+            raise ValueError(f"Nothing to answer: {skipped}. Raise --max-prompt-tokens, or give shorter prompts.")
+        warnings.warn(f"{skipped}: they are skipped. Raise --max-prompt-tokens to answer them.", stacklevel=2)
     check_prompt_vocabulary((ids for _, _, ids in todo), target, TOKENIZER_REMEDY)
     todo.sort(key=lambda row: len(row[2]))  # similar lengths per batch: less padding
     eos, pad = stop_and_pad_ids(target, tokenizer)

@@ -432,6 +432,10 @@ def init_draft_layers_from_target(speculator: Speculator, target, layer: int) ->
     `pre_feedforward_layernorm`, while their `post_attention_layernorm`, like OLMo 2's, normalises the attention's
     output and is left out."""
     decoder, layers = target.get_decoder(), target_decoder_layers(target)
+    if layers is not None and not -len(layers) <= layer < len(layers):
+        raise ValueError(f"init_from_target_layer={layer}, but {type(target).__name__} has decoder layers 0 to "
+                         f"{len(layers) - 1} (-1: the last). Pass one of those (`--init-from-target-layer -1`), or "
+                         "none to start the draft layers at random.")
     own = speculator.drafter.layers[0].state_dict()  # (every draft layer has the same weights)
     source = _layer_weights(layers[layer], own) if layers is not None else {}
     copied = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
@@ -665,9 +669,11 @@ def start_run(config):
     plan = StepPlan(config.max_steps, config.warmup_steps, config.eval_every, config.save_every,
                     config.time_budget_minutes, agree=earliest)
     if config.warmup_steps >= config.max_steps and config.time_budget_minutes is None:  # (a budget shortens it)
+        reach = ("reaches learning_rate={} only at the last step and never decays" if config.warmup_steps ==
+                 config.max_steps else "never reaches learning_rate={}").format(config.learning_rate)
         warnings.warn(f"warmup_steps={config.warmup_steps} is not below max_steps={config.max_steps}: the learning "
-                      f"rate rises for the whole run and never reaches learning_rate={config.learning_rate}. Pass "
-                      f"--warmup-steps below --max-steps (e.g. {max(1, config.max_steps // 10)}).", stacklevel=3)
+                      f"rate rises for the whole run and {reach}. Pass --warmup-steps below --max-steps (e.g. "
+                      f"{config.max_steps // 10}; 0 starts at learning_rate).", stacklevel=3)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     return plan, accelerator

@@ -186,6 +186,8 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
     assert "license: apache-2.0" in card and "Licence: apache-2.0 (the base model's)" in card  # SmolLM2's licence
     # no --limitations: the section still says what holds for every speculator, never left empty
     assert card_limitations(card).startswith("Acceptance and speed have not been measured yet (see Measured). Prompts")
+    # the command that would measure this speculator (before: a bare `hf-specdiff bench`, the shipped one's run)
+    assert "Reproduce: `hf-specdiff bench --speculator path/to/this/model`" in card
     assert "for HuggingFaceTB/SmolLM2-135M-Instruct only" in card_limitations(card)
     # the embedded target trained on other data: the distill corpus's description is not its card's
     (run / "train_config.json").write_text(json.dumps({**config.to_dict(), "data": ["my_answers.jsonl"]}))
@@ -208,6 +210,7 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
     assert "# my-llama dFlash + xPress speculator (block 8)" in card and "(my answers)" in card
     assert "SmolLM2" not in card and "one GPU" in card
     assert 'AutoModelForCausalLM.from_pretrained("my-org/my-llama")' in card and "load_default_target" not in card
+    assert "Reproduce: `hf-specdiff bench --target my-org/my-llama --speculator path/to/this/model`" in card
     # a local folder is no Hub base_model; a bench file that is missing or of the other kind is refused before any
     # file is written
     (run / "train_config.json").write_text(json.dumps({**config.to_dict(), "target": str(tmp_path)}))
@@ -240,6 +243,13 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
     main(fresh + ["--bench-json", str(tmp_path / "ours.json")])
     assert ("Reproduce: `hf-specdiff bench --datasets gsm8k humaneval mt_bench --limit 6 --max-new-tokens 96 "
             "--speculator path/to/this/model`") in (tmp_path / "fresh" / "README.md").read_text()
+    # benched with the target's local folder: the card names the base model the reader loads instead
+    benched["config"]["target"] = str(tmp_path)
+    (tmp_path / "ours.json").write_text(json.dumps(benched))
+    main(fresh + ["--bench-json", str(tmp_path / "ours.json")])
+    assert ("--max-new-tokens 96 --target my-org/my-llama --speculator path/to/this/model`"
+            in (tmp_path / "fresh" / "README.md").read_text())
+    benched["config"]["target"] = None
     capsys.readouterr()
     benched["environment"]["speculator"] = str(tmp_path)  # another model's bench: said
     (tmp_path / "other.json").write_text(json.dumps(benched))

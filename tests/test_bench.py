@@ -72,6 +72,23 @@ def test_a_wrong_speculator_or_prompt_file_fails_before_the_target_loads(tmp_pat
                               num_draft_tokens=99), progress=False)
 
 
+@pytest.mark.parametrize("batch_size", [[1], [1, 2]])
+def test_a_speculator_for_another_target_without_target_says_to_pass_it(tmp_path, batch_size):
+    """--speculator alone benches it on the embedded SmolLM2 (the default --target): a speculator trained for another
+    target is refused before any prompt runs, saying to pass --target (before: a bare size mismatch, after the
+    warm-up)."""
+    from conftest import make_target
+
+    own = hf_specdiff.AutoSpeculator.from_target(make_target(), block_size=4, refiner_rank=8)
+    own.save_pretrained(tmp_path / "own")
+    config = BenchConfig(prompts=str(_two_prompts(tmp_path)), speculator=str(tmp_path / "own"), batch_size=batch_size,
+                         methods=["ar", "dflash"], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"built for hidden size 64, the target has 576.*\n--speculator .*own is not "
+                       "for the embedded SmolLM2-135M-Instruct, which runs when no --target is given: pass the target "
+                       "it was trained for with --target"):
+        run_bench(config, progress=False)
+
+
 def test_bench_reports_every_method_side_by_side(tmp_path, smollm):
     target, tokenizer, speculator = smollm
     config = BenchConfig(prompts=str(_two_prompts(tmp_path)), limit=0, max_new_tokens=12, jacobi_passes=[1, 4],

@@ -43,7 +43,9 @@ def test_flags_win_over_the_config_file(config_file, flags, expected):
 
 def test_bad_config_files_are_refused(tmp_path):
     (tmp_path / "unknown.json").write_text(json.dumps({"limt": 3}))
-    with pytest.raises(SystemExit, match=r"unknown options \['limt'\]"):
+    # what to do, not only what is wrong (before: "unknown options ['limt']")
+    with pytest.raises(SystemExit, match=r"unknown options 'limt' \(did you mean 'limit'\?\)\. A file names the "
+                       r"options of `hf-specdiff calibrate --help` with _ for -"):
         parse_args(["calibrate", "--config", str(tmp_path / "unknown.json")])
     (tmp_path / "broken.json").write_text("{limit: 3")
     with pytest.raises(SystemExit, match="cannot read it as JSON"):
@@ -56,6 +58,9 @@ def test_bad_config_files_are_refused(tmp_path):
     (tmp_path / "string.json").write_text(json.dumps({"data": "answers.jsonl"}))  # would be read letter by letter
     with pytest.raises(SystemExit, match=r"\['data'\] must be JSON lists"):
         parse_args(["train", "--config", str(tmp_path / "string.json")])
+    (tmp_path / "sources.json").write_text(json.dumps({"sources": "p.jsonl"}))  # the example names the field given
+    with pytest.raises(SystemExit, match=r"\['sources'\] must be JSON lists, e.g. \"sources\": \[\"p.jsonl\"\]\."):
+        parse_args(["distill", "--config", str(tmp_path / "sources.json")])
     (tmp_path / "lists.json").write_text(json.dumps({"data": ["a.jsonl"], "target_layer_ids": None}))
     assert parse_args(["train", "--config", str(tmp_path / "lists.json")]).data == ["a.jsonl"]
 

@@ -239,3 +239,43 @@ def test_a_malformed_prompts_line_is_named_by_file_and_line(tmp_path):
         prompts.write_text(text)
         with pytest.raises(ValueError, match=match):
             collect_prompts(DistillConfig(sources=[str(prompts)]))
+
+
+def test_an_output_folder_fails_before_the_target_loads(tmp_path, monkeypatch):
+    """Before: `--output runs/distill` (a folder) loaded the target, minutes for a big one, then failed with a bare
+    IsADirectoryError when the first answers were written."""
+    import hf_specdiff.embedded
+
+    def load_default_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the output was checked")
+
+    monkeypatch.setattr(hf_specdiff.embedded, "load_default_target", load_default_target)
+    prompts = _prompt_file(tmp_path / "prompts.jsonl", ["a"])
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"--output .*runs is a folder: give the path of a JSONL file, e\.g\. "
+                                                r".*answers\.jsonl"):
+        distill(DistillConfig(sources=[prompts], output=str(tmp_path / "runs"), device="cpu"), progress=False)
+
+
+def test_prompts_longer_than_max_prompt_tokens_are_not_skipped_silently(tmp_path, smollm):
+    """Before: prompts over --max-prompt-tokens were dropped without a word, so a run could write fewer answers than
+    --limit asked for, or an empty file, and say only "answers in ..."."""
+    from hf_specdiff.bench import prompt_ids
+
+    target, tokenizer = smollm
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "short", "prompt": "Hi"}) + "\n"
+                       + json.dumps({"id": "long", "prompt": "Tell me about the sea. " * 20}) + "\n")
+    short_length = len(prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}]))  # (as distill templates it)
+    output = tmp_path / "answers.jsonl"
+    only_long = DistillConfig(sources=[str(prompts)], output=str(output), max_prompt_tokens=short_length - 1,
+                              max_new_tokens=2, device="cpu")
+    with pytest.raises(ValueError, match=r"Nothing to answer: 2 of the 2 prompts are longer than "
+                                         rf"--max-prompt-tokens={short_length - 1} .*Raise --max-prompt-tokens"):
+        distill(only_long, target=target, tokenizer=tokenizer, progress=False)
+    assert not output.exists() or not output.read_text()
+    some_long = DistillConfig(sources=[str(prompts)], output=str(output), max_prompt_tokens=short_length,
+                              max_new_tokens=2, device="cpu")
+    with pytest.warns(UserWarning, match=r"1 of the 2 prompts are longer than --max-prompt-tokens=.*skipped"):
+        distill(some_long, target=target, tokenizer=tokenizer, progress=False)
+    assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == ["short"]

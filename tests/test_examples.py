@@ -57,6 +57,28 @@ def test_train_your_own_example_runs_without_a_warm_up_longer_than_its_run(tmp_p
     assert not [w for w in recwarn if "warmup_steps" in str(w.message)]
 
 
+
+def test_train_your_own_refuses_a_questions_file_without_questions_before_the_target_loads(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """Before: a --questions file of `prompt` rows (as `hf-specdiff distill` reads) loaded the target, then died with
+    a bare KeyError: 'question'."""
+    import runpy
+
+    import hf_specdiff
+
+    def load_default_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the questions were read")
+
+    monkeypatch.setattr(hf_specdiff, "load_default_target", load_default_target)
+    questions = tmp_path / "prompts.jsonl"
+    questions.write_text(json.dumps({"question": "What is 2 + 2?"}) + "\n" + json.dumps({"prompt": "Hi"}) + "\n")
+    monkeypatch.setattr(sys, "argv", ["train_your_own.py", "--questions", str(questions), "--output-dir",
+                                      str(tmp_path / "out")])
+    with pytest.raises(SystemExit):
+        runpy.run_path(str(NOTEBOOK.parent / "train_your_own.py"), run_name="__main__")
+    assert "prompts.jsonl:2 is not a JSON object with a `question` string" in capsys.readouterr().err
+
+
 GPU_SCRIPT = NOTEBOOK.parent / "reproduce_on_gpu.sh"
 
 

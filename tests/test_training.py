@@ -94,8 +94,23 @@ def test_bad_data_fails_before_the_target_loads(tmp_path, monkeypatch):
 def test_a_warm_up_the_run_never_finishes_is_warned_of(tmp_path, target):
     """Before: a short run under the default warm-up (50 steps) never reached its learning rate, without a word."""
     data = write_distill(tmp_path / "distill.jsonl", target, rows=12)
-    with pytest.warns(UserWarning, match="warmup_steps=5 is not below max_steps=3: .* never reaches learning_rate"):
+    with pytest.warns(UserWarning, match="warmup_steps=5 is not below max_steps=3: .* never reaches learning_rate"
+                      r".* \(e.g. 0; 0 starts at learning_rate\)"):
         train(tiny_config(tmp_path, data, max_steps=3, save_every=3), target=target, progress=False)
+    # as long as the run: the rate reaches learning_rate at the last step (before: said never to, and e.g. 1 suggested)
+    with pytest.warns(UserWarning, match="warmup_steps=3 is not below max_steps=3: .* reaches learning_rate=0.003 "
+                      "only at the last step and never decays"):
+        train(tiny_config(tmp_path / "equal", data, max_steps=3, warmup_steps=3, save_every=3), target=target,
+              progress=False)
+
+
+def test_a_warm_start_from_a_layer_the_target_lacks_is_refused(tmp_path, target):
+    """Before: an IndexError from the target's layer list, naming neither the option nor its range."""
+    data = write_distill(tmp_path / "distill.jsonl", target, rows=8)
+    for layer in (3, -4):  # (the target has 3 layers)
+        with pytest.raises(ValueError, match=f"init_from_target_layer={layer}, but LlamaForCausalLM has decoder layers "
+                           r"0 to 2 \(-1: the last\)"):
+            train(tiny_config(tmp_path, data, init_from_target_layer=layer), target=target, progress=False)
 
 
 def test_bad_inputs_fail_before_training(tmp_path, target):
