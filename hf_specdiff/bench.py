@@ -126,7 +126,7 @@ class BenchConfig:
     json: str | None = field(default=None, metadata={"help": "write the full results to this JSON file"})
     markdown: str | None = field(default=None, metadata={"help": "write the table to this Markdown file"})
     plots: str | None = field(default=None, metadata={"help": (
-        "write PNG plots (speedup, accepted lengths, acceptance by position) to this folder")})
+        "write PNG plots (speedup, accepted lengths, acceptance by position; diffusion methods: NFE) to this folder")})
 
 
 def find_data_dir(explicit: str | None, needs: tuple[str, ...] = ("gsm8k",), remedy: str = "") -> Path:
@@ -370,6 +370,7 @@ def _question(dataset: str, row: dict) -> str:
 _TRANSFORMERS_ASSISTED = ("dflash_hf", "prompt_lookup")
 METHODS = ("ar", "ar_static", "dflash", "xpress", "markov", "dflash_static", "xpress_static", "dflash_hf",
            "prompt_lookup")
+_WITHOUT_SPECULATOR = ("ar", "ar_static", "prompt_lookup")
 
 
 def _method_runs(config: BenchConfig, speculator, max_cache_len: int) -> list[tuple[str, dict]]:
@@ -522,8 +523,9 @@ def load_models(config: BenchConfig, target=None, tokenizer=None, speculator=Non
 
     default_target = target is None and config.target is None
     target, tokenizer = target_and_tokenizer(target, tokenizer, config.target, config.tokenizer, dtype)
-    try:  # before any prompt runs; the first generate call would find it after the warm-up
-        speculator.check_compatible(target, placement=False)
+    try:  # before any prompt runs, where a method speculates: its first generate call would say it after the warm-up
+        if not set(config.methods) <= set(_WITHOUT_SPECULATOR):
+            speculator.check_compatible(target, placement=False)
     except ValueError as error:
         if not (default_target and config.speculator):
             raise

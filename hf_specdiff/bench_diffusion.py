@@ -205,6 +205,8 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
                              "(--tokenizer, or tokenizer=).")
     eos = tokenizer.eos_token_id
     methods = measured_methods(config.methods)
+    # from the weights: a DiffusionAdapter (your own model) is a plain nn.Module, without DiffusionLM's `dtype`
+    weights_dtype = next(model.parameters()).dtype
 
     def generate(ids, method):
         synchronize(ids.device)
@@ -232,10 +234,7 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
         outputs = {}
         for method in methods:
             sequences, nfe, exact, accepted, seconds = generate(ids, method)
-            answer_ids = sequences[0, ids.shape[1] :]
-            stop = (answer_ids == eos).nonzero()
-            finished = bool(len(stop))
-            answer_ids = answer_ids[: int(stop[0, 0]) if finished else len(answer_ids)]
+            answer_ids, finished = answer_until_eos(sequences[0, ids.shape[1] :], eos)
             text = tokenizer.decode(answer_ids, skip_special_tokens=True)
             outputs[method] = sequences
             record = {"dataset": dataset, "prompt": index, "method": method, "seconds": seconds, "nfe": nfe,
@@ -250,7 +249,7 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
                 record["unexplained_mismatch"] = record["mismatch"]
                 if record["mismatch"]:  # outside the timing: was the first diverging block decided by a near-tie?
                     gap = first_divergence_gap(model, ids, configs[BASELINE_OF[method]], reference, sequences, eos,
-                                               rounding=NEAR_TIE_ULPS * torch.finfo(model.dtype).eps)
+                                               rounding=NEAR_TIE_ULPS * torch.finfo(weights_dtype).eps)
                     record["decision_gap"] = gap
                     record["unexplained_mismatch"] = gap is None or gap > config.tie_tolerance
             records.append(record)
@@ -264,6 +263,13 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
             "by_dataset": {d: summarize_diffusion([r for r in records if r["dataset"] == d], methods)
                            for d in datasets},
             "records": records}
+
+
+def answer_until_eos(answer_ids: torch.LongTensor, eos: int | None) -> tuple[torch.LongTensor, bool]:
+    """(the answer's tokens before its first EOS, whether it has one): what a row's answer is, and what its tokens/s
+    count (the canvas after an EOS holds filler a reader never sees)."""
+    stop = (answer_ids == eos).nonzero() if eos is not None else answer_ids.new_zeros((0, 1))
+    return (answer_ids[: int(stop[0, 0])], True) if len(stop) else (answer_ids, False)
 
 
 def first_divergence_gap(model, ids, decoding, reference, sequences, eos, rounding: float = 0.0) -> float | None:

@@ -243,6 +243,7 @@ def _demo_diffusion_runs(prompt, model_path, graph, options: dict, threshold: fl
     import time
 
     import torch
+    from .bench_diffusion import answer_until_eos
     from .diffusion import AutoDiffusionLM, DiffusionGenerationConfig, diffusion_generate, load_tokenizer
 
     block_length = options["block_length"]
@@ -271,10 +272,12 @@ def _demo_diffusion_runs(prompt, model_path, graph, options: dict, threshold: fl
         outputs[name] = out.sequences
         base = {"spiffy": "steps", "spiffy+threshold": "threshold"}.get(name)
         same = "" if base is None else ("yes" if torch.equal(outputs[base], out.sequences) else "NO")
-        rows.append((name, out.nfe, (out.sequences.shape[1] - ids.shape[1]) / seconds, same))
-    print(f"\n{'method':<17} {'NFE':>5} {'tokens/s':>9}  identical to the same decoding without Spiffy")
-    for name, nfe, speed, same in rows:
-        print(f"{name:<17} {nfe:>5} {speed:>9.1f}  {same}")
+        # the answer up to its EOS, as the bench counts it (not the filler decoded after it)
+        answer, _ = answer_until_eos(out.sequences[0, ids.shape[1] :], tokenizer.eos_token_id)
+        rows.append((name, out.nfe, len(answer), len(answer) / seconds, same))
+    print(f"\n{'method':<17} {'NFE':>5} {'tokens':>6} {'tokens/s':>9}  identical to the same decoding without Spiffy")
+    for name, nfe, tokens, speed, same in rows:
+        print(f"{name:<17} {nfe:>5} {tokens:>6} {speed:>9.1f}  {same}")
 
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the Hub model the embedded target is a GGUF of
@@ -614,6 +617,9 @@ def calibrate(args) -> None:
     # before the model loads: a folder saved without its tokenizer has a way out here
     if options.tokenizer:
         check_folder_or_repo_id(options.tokenizer, "tokenizer")
+    if Path(model_path).is_dir() and not (Path(model_path) / "config.json").is_file():  # (not "no tokenizer")
+        raise ValueError(f"No diffusion LM in {model_path}: the folder has no config.json. Point --model at the folder "
+                         "a diffusion LM's save_pretrained (or `hf-specdiff export`) wrote.")
     check_tokenizer_folder(options.tokenizer or model_path, "diffusion LM",
                            "" if options.tokenizer else ", or pass --tokenizer (a folder or Hub id holding it)")
     model = AutoDiffusionLM.from_pretrained(model_path, dtype=dtype, device=device)

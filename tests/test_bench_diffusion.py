@@ -107,7 +107,7 @@ def test_a_diverging_block_is_explained_only_by_a_near_tie(threshold):
     assert first_divergence_gap(model, prompt, decoding, reference, early, None, rounding=bf16) > 0.05
 
 
-def test_diffusion_demo(tmp_path, capsys):
+def test_diffusion_demo(tmp_path, capsys, monkeypatch):
     small_dlm_with_smollm_tokenizer(tmp_path / "dlm")
     from hf_specdiff.diffusion import AutoDiffusionLM
     from hf_specdiff.diffusion.decoding import DiffusionGenerationConfig
@@ -122,6 +122,31 @@ def test_diffusion_demo(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.count("block 0 |") >= 2 and "\u2591" in printed  # the block fills in over several forwards
     assert printed.count("  yes") == 2 and "NO" not in printed
+    methods = ("steps", "threshold", "spiffy", "spiffy+threshold")
+
+    def table(printed):  # the comparison's rows: method, NFE, tokens, tokens/s, identical
+        rows = (line.split() for line in printed.splitlines() if line.strip())
+        return {words[0]: words for words in rows if words[0] in methods}
+
+    assert [row[2] for row in table(printed).values()] == ["16"] * 4  # no EOS: the whole answer counted
+
+    # an answer that ends early: its tokens/s count the tokens before the EOS, as the bench does (before: the filler
+    # after it too), and the table says how many
+    import hf_specdiff.diffusion
+    from hf_specdiff.diffusion import load_tokenizer
+
+    eos, decode = load_tokenizer(tmp_path / "dlm").eos_token_id, hf_specdiff.diffusion.diffusion_generate
+
+    def ending_after_five_tokens(model, ids, **kwargs):
+        out = decode(model, ids, **kwargs)
+        out.sequences[:, ids.shape[1] + 5 :] = eos
+        return out
+
+    monkeypatch.setattr(hf_specdiff.diffusion, "diffusion_generate", ending_after_five_tokens)
+    main(["demo", "--diffusion", "--model", str(tmp_path / "dlm"), "--max-new-tokens", "16", "--block-length", "8",
+          "--threshold", "0.05", "--device", "cpu"])
+    rows = table(capsys.readouterr().out)
+    assert list(rows) == list(methods) and [row[2] for row in rows.values()] == ["5"] * 4
 
 
 def test_demo_checks_its_options_and_graph_before_loading_the_model(monkeypatch, capsys):
@@ -315,3 +340,35 @@ def test_demo_runs_spiffy_with_and_without_threshold_on_one_graph_without_asking
     assert "calibrated with other settings than some of these runs (threshold: None (graph) vs 0.05 (now))" in shown
     identical = [line.split()[-1] for line in shown.splitlines() if line.startswith(("spiffy ", "spiffy+threshold"))]
     assert identical == ["yes", "yes"]
+
+
+def test_a_spiffy_mismatch_of_a_diffusion_adapter_is_measured(tmp_path, monkeypatch):
+    """Your own model wrapped in a DiffusionAdapter (an nn.Module without a `dtype` attribute) benches like a
+    DiffusionLM: a Spiffy mismatch (possible with cache='prefix' on a bidirectional model) is counted and checked
+    for a near-tie, rather than crashing the run after every prompt was decoded."""
+    require_bench_data()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_specdiff.diffusion as diffusion
+    from hf_specdiff import DiffusionAdapter
+    from hf_specdiff.bench_diffusion import run_diffusion_bench
+
+    tokenizer = small_dlm_with_smollm_tokenizer(tmp_path / "dlm")
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)).eval()
+    adapter = DiffusionAdapter(llama, mask_token_id=len(tokenizer) - 1)
+    graph = DraftGraph(nodes=[((0, 0),)], parents=[[-1]], block_length=8)
+    generate = diffusion.diffusion_generate
+
+    def spiffy_differs(*args, draft_graph=None, **kwargs):  # a Spiffy output one token off ordinary decoding's
+        out = generate(*args, draft_graph=draft_graph, **kwargs)
+        if draft_graph is not None:
+            out.sequences[0, -1] = (out.sequences[0, -1] + 1) % 100
+        return out
+
+    monkeypatch.setattr(diffusion, "diffusion_generate", spiffy_differs)
+    config = BenchConfig(methods=["spiffy"], limit=1, max_new_tokens=8, block_length=8, cache="prefix")
+    result = run_diffusion_bench(config, model=adapter, tokenizer=tokenizer, graph=graph, progress=False)
+    assert result["summary"]["spiffy"]["lossless_mismatches"] == 1
+    assert [r for r in result["records"] if r["method"] == "spiffy"][0]["decision_gap"] is not None

@@ -173,6 +173,10 @@ def test_calibrate_reads_its_prompts_before_loading_the_model(tmp_path):
         main(missing_model + ["--dtype", "fp16"])
     with pytest.raises(ValueError, match="num_nodes must be an integer >= 1, got 0"):
         main(missing_model + ["--num-nodes", "0"])
+    (tmp_path / "empty").mkdir()  # before: said to hold no tokenizer, and to save one there
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "Hi"}\n')
+    with pytest.raises(ValueError, match="No diffusion LM in .*empty: the folder has no config.json"):
+        main(["calibrate", "--model", str(tmp_path / "empty"), "--prompts", str(tmp_path / "prompts.jsonl")])
 
 
 def test_calibrate_defaults_to_the_shipped_diffusion_lm(tmp_path, monkeypatch):

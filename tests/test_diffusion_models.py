@@ -244,6 +244,29 @@ def test_family_facts(published):
         llama.mask_token_id
 
 
+def test_from_pretrained_refuses_a_device_it_cannot_use_before_loading(published):
+    """A misspelt device, or CUDA on a machine without it, is refused by name as a ValueError (which the command
+    line reports in one line), not as torch's RuntimeError / AssertionError from deep in `.to(device)`."""
+    folder, _, _ = published("llada")
+    with pytest.raises(ValueError, match="device='gpu' is not a torch device"):
+        AutoDiffusionLM.from_pretrained(folder, device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA GPU"):
+            AutoDiffusionLM.from_pretrained(folder, device="cuda")
+    assert AutoDiffusionLM.from_pretrained(folder, device=torch.device("cpu")).device.type == "cpu"
+
+
+def test_generate_on_a_causal_lm_checkpoint_says_it_is_no_diffusion_lm(published):
+    """A plain Llama causal LM loads (for conversion), but decoding it says that it is no diffusion LM and what to
+    load instead, rather than only asking for a [MASK] id that would make a causal LM decode garbage."""
+    from hf_specdiff.diffusion import diffusion_generate
+
+    llama = AutoDiffusionLM.from_pretrained(published("llama")[0])
+    with pytest.raises(ValueError, match="no mask_token_id") as error:
+        diffusion_generate(llama, torch.tensor([[1, 2, 3]]))
+    assert "causal LM" in str(error.value) and "train-diffusion" in str(error.value)
+
+
 def test_llada_weight_tying(published):
     folder, config, tensors = published("llada", tied=True)
     model = AutoDiffusionLM.from_pretrained(folder)
@@ -460,3 +483,15 @@ def test_from_pretrained_dtype_spellings_and_unknown_options(published):
         AutoDiffusionLM.from_pretrained(folder, dtype="half-precision")
     with pytest.raises(TypeError, match="not both"):
         AutoDiffusionLM.from_pretrained(folder, dtype=torch.float32, torch_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("dtype, said", [("fp32", "got 'fp32'"),
+                                         (torch.int8, "dtype=torch.int8 is not a floating-point"),
+                                         ("long", "dtype='long' is not a floating-point")])
+def test_from_pretrained_refuses_a_dtype_it_cannot_load_naming_it(published, dtype, said):
+    """A dtype name torch lacks is quoted as given (not as None), and an integer dtype is refused before the weights
+    are cast, with the dtypes that work."""
+    folder, _, _ = published("llada")
+    with pytest.raises(ValueError, match=said) as error:
+        AutoDiffusionLM.from_pretrained(folder, dtype=dtype)
+    assert "bfloat16" in str(error.value)

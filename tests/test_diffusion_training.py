@@ -284,6 +284,9 @@ def test_export_ships_the_adapter_in_bf16_with_its_graph_and_card(setup, tmp_pat
     assert (f"{first['eval_accuracy']:.1%} (step 0, held-out loss {first['eval_loss']:.2f}) before training, "
             f"{last['eval_accuracy']:.1%} (step 30, held-out loss {last['eval_loss']:.2f}) at the end") in card
     assert "missing: calibrate one with `hf-specdiff calibrate`" in card
+    # the command that would measure this model (before: a bare `hf-specdiff bench`, the shipped speculator's run)
+    assert ("Reproduce: `hf-specdiff bench --target path/to/this/model --methods steps threshold spiffy "
+            "spiffy_threshold ar_base`") in card
     assert "license: mit" in card and "- lora\n---" in card
     assert card_limitations(card).startswith("Answer quality, forward passes and speed have not been measured yet "
                                              "(see Measured). A masked diffusion LM")

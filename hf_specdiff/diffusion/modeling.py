@@ -399,7 +399,14 @@ class DiffusionLM(PreTrainedModel):
     @property
     def mask_token_id(self) -> int:
         if self.config.mask_token_id is None:
-            raise ValueError("This DiffusionLM has no mask_token_id; set model.config.mask_token_id to its [MASK] id.")
+            # what a causal LM's checkpoint loads as (a Llama config has no [MASK]): no diffusion LM until trained
+            raise ValueError(
+                "This DiffusionLM has no mask_token_id: its checkpoint names no [MASK] token, as a causal LM's (e.g. "
+                "SmolLM2 itself) does not, and a causal LM does not decode by unmasking until trained to "
+                "(`hf-specdiff train-diffusion`). Load a diffusion LM (LLaDA, Dream, SDAR, or an adapter folder such "
+                "as hf_specdiff.default_diffusion_lm_path()), or, if this model was trained with a [MASK] token, set "
+                "model.config.mask_token_id to its id."
+            )
         return self.config.mask_token_id
 
     @property
@@ -484,6 +491,7 @@ class DiffusionLM(PreTrainedModel):
         where = str(path_or_repo_id)
         check_folder_or_repo_id(where, "diffusion LM")
         dtype = _requested_dtype(dtype, hub_kwargs)
+        _check_device(device)
         config_file = find_file(where, "config.json", "diffusion LM", SAVED_FOLDER, **hub_kwargs)
         try:
             published = json.loads(Path(config_file).read_text())
@@ -616,11 +624,28 @@ def _requested_dtype(dtype, hub_kwargs: dict) -> torch.dtype | None:
     dtype = take_dtype(dtype, hub_kwargs, "diffusion LM", also="dtype, device, base and ")
     if dtype is None or dtype == "auto":
         return None
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    if not isinstance(dtype, torch.dtype):
+    requested = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(requested, torch.dtype):  # the value as given: a name torch lacks would print as None
         raise ValueError(f"dtype must be a torch dtype, its name (e.g. 'bfloat16') or 'auto'; got {dtype!r}.")
-    return dtype
+    if not requested.is_floating_point:  # caught here, it would fail in nn.Module.to, naming no option
+        raise ValueError(f"dtype={dtype!r} is not a floating-point dtype: the weights load as float32, bfloat16 or "
+                         "float16 (or float64); pass one of those, or 'auto' for the stored one.")
+    return requested
+
+
+def _check_device(device) -> None:
+    """Refuse a device torch cannot name or this machine lacks before the weights load: it would fail minutes later
+    in the first `.to(device)`, as a RuntimeError or an AssertionError that names no option."""
+    if device is None:
+        return
+    try:
+        device_type = torch.device(device).type
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device={device!r} is not a torch device ({error}); pass e.g. 'cpu', 'cuda' or "
+                         "'cuda:0'.") from None
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}, but this torch sees no CUDA GPU (torch.cuda.is_available() is False): "
+                         "pass device='cpu', or install a CUDA build of torch on a machine with a GPU.")
 
 
 class AutoDiffusionLM:
