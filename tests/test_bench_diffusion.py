@@ -16,7 +16,7 @@ from hf_specdiff.cli import main
 from hf_specdiff.spiffy import DraftGraph
 
 
-def test_diffusion_bench_end_to_end(tmp_path):
+def test_diffusion_bench_end_to_end(tmp_path, recwarn):
     require_bench_data()
     small_dlm_with_smollm_tokenizer(tmp_path / "dlm", base_folder=tmp_path / "base")
     main(["calibrate", "--model", str(tmp_path / "dlm"), "--output", str(tmp_path / "dlm"), "--limit", "2",
@@ -46,6 +46,12 @@ def test_diffusion_bench_end_to_end(tmp_path):
     assert ("| all | spiffy |" in (tmp_path / "out.md").read_text()
             and "| all | ar_base |" in (tmp_path / "out.md").read_text())
     assert (tmp_path / "plots" / "nfe.png").is_file()
+    # the graph (calibrated without a threshold) serves spiffy_threshold too: recorded and noted once, not warned at
+    # every prompt as if the command were wrong (before: "calibrate a graph with these settings", every bench run)
+    assert result["graph_calibration_differences"] == {"spiffy_threshold": ["threshold: None (graph) vs 0.05 (now)"]}
+    assert not [w for w in recwarn if "calibrated with other decoding settings" in str(w.message)]
+    assert ("Note: the Spiffy graph was calibrated with other decoding settings than spiffy_threshold "
+            "(spiffy_threshold: threshold: None (graph) vs 0.05 (now))") in (tmp_path / "out.md").read_text()
 
     graph = DraftGraph.from_pretrained(tmp_path / "dlm")
     calibration = {json.dumps(r, sort_keys=True) for _, r in load_rows(BenchConfig(
