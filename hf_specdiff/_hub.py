@@ -48,6 +48,15 @@ def find_file(path_or_repo_id: str, filename: str, what: str, remedy: str, **hub
     return found
 
 
+def check_model_folder(path_or_repo_id: str | os.PathLike, what: str, remedy: str) -> None:
+    """find_file's error for a local folder without config.json, for the checks that run before the model loads (a
+    tokenizer check would otherwise answer an empty folder with "holds no tokenizer" and ask to save one there). A Hub
+    id or a folder holding config.json passes."""
+    folder = Path(path_or_repo_id)
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        raise OSError(f"No {what} at {str(folder)!r}: the folder has no config.json. {remedy}")
+
+
 # where `cached_file` looks for a file (the download options of transformers' `from_pretrained`)
 HUB_OPTIONS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies", "subfolder")
 

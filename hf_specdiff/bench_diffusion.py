@@ -126,13 +126,19 @@ def _decoding_configs(config) -> dict:
     return configs
 
 
+# a local folder that holds no model: said as such by the commands that read its tokenizer before its weights
+DIFFUSION_FOLDER_REMEDY = ("Point {option} at the folder a diffusion LM's save_pretrained (or `hf-specdiff export`) "
+                           "wrote, or leave it out for the shipped one.")
+
+
 def _load_tokenizer(tokenizer: str | None, model: str | None):
     """The tokenizer --tokenizer names, else the one saved beside the diffusion LM (a folder without one: an error
-    that names --tokenizer too)."""
-    from ._hub import check_folder_or_repo_id, check_tokenizer_folder
+    that names --tokenizer too; a folder without a model: an error saying so)."""
+    from ._hub import check_folder_or_repo_id, check_model_folder, check_tokenizer_folder
     from .diffusion import load_tokenizer
 
     if tokenizer is None:
+        check_model_folder(model, "diffusion LM", DIFFUSION_FOLDER_REMEDY.format(option="--target"))
         check_tokenizer_folder(model, "diffusion LM", ", or pass --tokenizer (a folder or Hub id holding it)")
         return load_tokenizer(model)
     check_folder_or_repo_id(tokenizer, "tokenizer")

@@ -592,8 +592,9 @@ def calibrate(args) -> None:
 
     import torch
 
-    from ._hub import can_only_be_a_path, check_folder_or_repo_id, check_tokenizer_folder
+    from ._hub import can_only_be_a_path, check_folder_or_repo_id, check_model_folder, check_tokenizer_folder
     from .bench import BenchConfig, load_prompts, prompt_ids, torch_dtype
+    from .bench_diffusion import DIFFUSION_FOLDER_REMEDY
     from .diffusion import AutoDiffusionLM, DiffusionGenerationConfig, load_tokenizer
     from .diffusion.decoding import out_of_vocabulary
     from .embedded import default_diffusion_lm_path
@@ -617,9 +618,7 @@ def calibrate(args) -> None:
     # before the model loads: a folder saved without its tokenizer has a way out here
     if options.tokenizer:
         check_folder_or_repo_id(options.tokenizer, "tokenizer")
-    if Path(model_path).is_dir() and not (Path(model_path) / "config.json").is_file():  # (not "no tokenizer")
-        raise ValueError(f"No diffusion LM in {model_path}: the folder has no config.json. Point --model at the folder "
-                         "a diffusion LM's save_pretrained (or `hf-specdiff export`) wrote.")
+    check_model_folder(model_path, "diffusion LM", DIFFUSION_FOLDER_REMEDY.format(option="--model"))
     check_tokenizer_folder(options.tokenizer or model_path, "diffusion LM",
                            "" if options.tokenizer else ", or pass --tokenizer (a folder or Hub id holding it)")
     model = AutoDiffusionLM.from_pretrained(model_path, dtype=dtype, device=device)

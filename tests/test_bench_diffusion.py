@@ -196,6 +196,9 @@ def test_a_model_folder_without_a_tokenizer_or_with_another_models_is_refused(tm
     saved_alone = "holds no tokenizer .* save the model's tokenizer into that folder \\(tokenizer.save_pretrained"
     with pytest.raises(OSError, match=f"dlm {saved_alone}.*, or pass --tokenizer"):
         main(["bench", "--target", str(tmp_path / "dlm"), "--methods", "steps", "--max-new-tokens", "32", *prompts])
+    (tmp_path / "empty").mkdir()  # no model at all: said so, not that a tokenizer should be saved there
+    with pytest.raises(OSError, match="No diffusion LM at .*empty.: the folder has no config.json. Point --target at"):
+        main(["bench", "--target", str(tmp_path / "empty"), "--methods", "steps", "--max-new-tokens", "32", *prompts])
     with pytest.raises(OSError, match=f"causal {saved_alone}.*, or pass --tokenizer"):
         main(["bench", "--target", str(tmp_path / "causal"), "--methods", "ar", *prompts])
     shipped = str(hf_specdiff.default_diffusion_lm_path())  # SmolLM2's tokenizer: 49152 tokens

@@ -175,7 +175,7 @@ def test_calibrate_reads_its_prompts_before_loading_the_model(tmp_path):
         main(missing_model + ["--num-nodes", "0"])
     (tmp_path / "empty").mkdir()  # before: said to hold no tokenizer, and to save one there
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "Hi"}\n')
-    with pytest.raises(ValueError, match="No diffusion LM in .*empty: the folder has no config.json"):
+    with pytest.raises(OSError, match="No diffusion LM at .*empty.: the folder has no config.json. Point --model at"):
         main(["calibrate", "--model", str(tmp_path / "empty"), "--prompts", str(tmp_path / "prompts.jsonl")])
 
 
