@@ -108,7 +108,9 @@ class BenchConfig:
         "logit gap under which a greedy divergence from plain generate counts as a floating-point near-tie, not a "
         "mismatch")})
     # Diffusion LMs only (methods steps, threshold, spiffy, spiffy_threshold, ar_base; see bench_diffusion)
-    block_length: int = field(default=32, metadata={"help": "diffusion LMs: semi-autoregressive block size"})
+    block_length: int | None = field(default=None, metadata={"help": (
+        "diffusion LMs: semi-autoregressive block size; None: the draft graph's where Spiffy is measured, else the "
+        "block size a block-causal model was trained with (SDAR), else 32")})
     steps: int | None = field(default=None, metadata={"help": (
         "diffusion LMs: denoising steps over the answer; None: one token per step")})
     remasking: str = field(default="low_confidence", metadata={
@@ -245,6 +247,9 @@ def chat_prompt(where: str, messages) -> list[dict]:
     if not users:
         raise ValueError(f"{where}: `messages` has no turn with role \"user\": the model answers the last user turn "
                          "(with the messages before it, a system prompt included, as its context).")
+    if not messages[users[-1]]["content"].strip():
+        raise ValueError(f"{where}: the last user turn is empty, so there is nothing to answer: give it the text the "
+                         "model should answer, or delete the line.")
     return messages[: users[-1] + 1]
 
 
@@ -271,6 +276,9 @@ def row_prompt(where: str, row) -> str | list[dict]:
         return chat_prompt(where, row["messages"])
     if not isinstance(row["prompt"], str):
         raise ValueError(f"{where}: `prompt` must be a string, got {type(row['prompt']).__name__}.")
+    if not row["prompt"].strip():  # a chat template around nothing: an answer to no question, measured as one
+        raise ValueError(f"{where}: `prompt` is empty, so there is nothing to answer: give the text the model should "
+                         "answer, or delete the line.")
     return row["prompt"]
 
 

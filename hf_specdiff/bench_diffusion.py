@@ -153,7 +153,7 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
 
     from .bench import NEAR_TIE_ULPS, _environment, data_folder, prompt_ids, prompt_messages, torch_dtype
     from .candidates import synchronize
-    from .diffusion import AutoDiffusionLM, diffusion_generate
+    from .diffusion import AutoDiffusionLM, DiffusionGenerationConfig, diffusion_generate
     from .diffusion.adapter_weights import load_base, named_base
     from .diffusion.decoding import out_of_vocabulary
     from .spiffy import DraftGraph
@@ -180,7 +180,6 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
                              "or config.target, a folder or Hub id the tokenizer can be read from).")
         tokenizer = _load_tokenizer(config.tokenizer, config.target)
     model = model.to(config.device).eval()
-    configs = _decoding_configs(config)
     if base_model is None:
         base_name = config.base or (named_base(config.target) if config.target else None)
         if "ar_base" in config.methods and base_name is None:
@@ -192,10 +191,17 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
         if base_model.config.vocab_size != model.config.vocab_size:
             raise ValueError(f"The AR base has {base_model.config.vocab_size} tokens and the diffusion LM "
                              f"{model.config.vocab_size}: --base must be the model the diffusion LM was adapted from.")
-    if any(m.startswith("spiffy") for m in configs) and graph is None:
+    spiffy_measured = any(m.startswith("spiffy") for m in measured_methods(config.methods))
+    if spiffy_measured and graph is None:
         if config.draft_graph is None and config.target is None:
             raise ValueError("Spiffy methods need --draft-graph (a folder holding spiffy_graph.json).")
         graph = DraftGraph.from_pretrained(config.draft_graph or config.target)
+    # one block length for every method, so that their NFE compare: --block-length, else the graph's where Spiffy is
+    # measured, else the model's own; recorded in the result as the one decoded with
+    blocks = DiffusionGenerationConfig(max_new_tokens=config.max_new_tokens, block_length=config.block_length,
+                                       steps=config.steps).for_model(model, graph if spiffy_measured else None)
+    config = dataclasses.replace(config, block_length=blocks.block_length)
+    configs = _decoding_configs(config)
     rows = _rows_not_used_for_calibration(config, graph)
     data_dir = data_folder(config)  # recorded: the folder the prompts were read from
     if not rows:

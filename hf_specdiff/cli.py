@@ -208,7 +208,7 @@ def identical_verdict(check: dict) -> str:
 
 
 def demo_diffusion(prompt: str, model_path: str | None, graph_path: str | None, max_new_tokens: int,
-                   block_length: int, threshold: float, device: str) -> None:
+                   block_length: int | None, threshold: float, device: str) -> None:
     """A masked diffusion LM: watch one block fill in forward by forward, then compare decoding methods: forward
     passes (NFE), tokens/s, and whether Spiffy's output is identical to the decoding it speeds up."""
     import warnings
@@ -224,6 +224,8 @@ def demo_diffusion(prompt: str, model_path: str | None, graph_path: str | None, 
         DiffusionGenerationConfig(**options, threshold=thresh).validate()
     model_path = model_path or default_diffusion_lm_path()
     graph = DraftGraph.from_pretrained(graph_path or model_path)
+    # every run decodes in the graph's blocks unless --block-length says otherwise (and the graph then refuses it)
+    options["block_length"] = DiffusionGenerationConfig(**options).for_model(None, graph).block_length
     # One graph serves Spiffy with and without threshold unmasking, so one of the two always decodes with settings
     # other than those it was calibrated with; said once here, rather than in a warning on every run that asks to
     # calibrate for settings the demo itself chose.
@@ -351,13 +353,30 @@ def _quoted_bench(args, kind: str, base_model: str, embedded: bool, measured_fol
     option = "speculator" if kind == "speculator" else "target"
     benched = (result.get("environment") or {}).get(option)
     if isinstance(benched, str) and Path(benched).is_dir():
-        if Path(benched).resolve() in {Path(folder).resolve() for folder in measured_folders}:
+        if (Path(benched).resolve() in {Path(folder).resolve() for folder in measured_folders}
+                or _holds_weights_of(Path(benched), Path(measured_folders[0]))):  # (an earlier export of this run)
             recorded[option] = THIS_MODEL  # (a path on the exporting machine: the card's reader has the model)
         else:
             print(f"warning: --bench-json {path} measured the {kind} in {benched}, not this run's: the card quotes "
                   "its figures as this model's. Bench this run's (or the exported folder), or drop --bench-json.",
                   file=sys.stderr)
     return table, args.bench_command or bench_command_line(recorded)
+
+
+def _holds_weights_of(folder, artifact) -> bool:
+    """Whether `folder` stores the tensors of `artifact` (a run's speculator/ or diffusion_lm/), each cast to the dtype
+    `folder` stores it in: an export of the run, whichever folder and dtype it was exported to."""
+    import torch
+    from safetensors.torch import load_file
+
+    def tensors(root):
+        return {f"{file.relative_to(root)}:{name}": tensor for file in sorted(root.rglob("*.safetensors"))
+                for name, tensor in load_file(file).items()}
+
+    stored, trained = tensors(folder), tensors(artifact)
+    return bool(trained) and stored.keys() == trained.keys() and all(
+        stored[key].shape == tensor.shape and torch.equal(stored[key], tensor.to(stored[key].dtype))
+        for key, tensor in trained.items())
 
 
 # what a card's bench command names the model it describes by
@@ -369,12 +388,18 @@ def bench_command_line(recorded: dict) -> str:
     other than the default (where it wrote its outputs, and the device, aside)."""
     import shlex
 
-    from .bench import BenchConfig
+    from .bench import _AR_OPTIONS, _DIFFUSION_OPTIONS, BenchConfig
+    from .bench_diffusion import DIFFUSION_METHODS
 
     defaults = dataclasses.asdict(BenchConfig())
+    # options only the other kind of run reads are not this run's: an autoregressive result recorded while
+    # block_length defaulted to 32 records 32, which `bench` refuses beside autoregressive methods
+    diffusion = bool(set(recorded.get("methods", [])) & set(DIFFUSION_METHODS))
+    not_read = _AR_OPTIONS if diffusion else _DIFFUSION_OPTIONS
     words = ["hf-specdiff", "bench"]
     for name, value in recorded.items():
-        if name in ("json", "markdown", "plots", "device") or name not in defaults or value == defaults[name]:
+        if (name in ("json", "markdown", "plots", "device", *not_read) or name not in defaults
+                or value == defaults[name]):
             continue
         if name == "datasets" and recorded.get("prompts"):  # ("custom": the --prompts file's)
             continue
@@ -678,7 +703,7 @@ def _demo_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-graph", default=None, help="--diffusion: folder with spiffy_graph.json "
                         "(default: the graph beside the model)")
     parser.add_argument("--block-length", type=int, default=None, help="--diffusion: semi-autoregressive block size "
-                        "(default: 32)")
+                        "(default: the draft graph's)")
     parser.add_argument("--threshold", type=float, default=None, help="--diffusion: Fast-dLLM confidence threshold of "
                         "the threshold and Spiffy + threshold runs (default: 0.9)")
 
@@ -849,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
         device = args.device or ("cuda" if _cuda() else "cpu")
         if args.diffusion:
             demo_diffusion(args.prompt, args.model, args.draft_graph, args.max_new_tokens,
-                           32 if args.block_length is None else args.block_length,
+                           args.block_length,
                            0.9 if args.threshold is None else args.threshold, device)
         else:
             demo(args.prompt, args.max_new_tokens, args.speculator, device, args.num_draft_tokens)

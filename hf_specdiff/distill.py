@@ -8,6 +8,7 @@ left-padded batches. Rows are appended to a JSONL file as they are made (`id`, `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import warnings
@@ -173,19 +174,52 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
     """Answer `config`'s prompts with the target, appending rows to `config.output`; ids already there are skipped.
     Prompts, options and the output file are all checked before the target loads, so a typo costs seconds. A prompt
     goes through the target's chat template, or, for a base model without one, is its plain text."""
-    from tqdm.auto import tqdm
-
-    from .bench import TOKENIZER_REMEDY, check_prompt_vocabulary, prompt_ids
-
     prompts = collect_prompts(config)
     output = Path(config.output)
     if output.is_dir():  # (else found only when the first answers are written, after the target has loaded)
         raise IsADirectoryError(f"--output {output} is a folder: give the path of a JSONL file, e.g. "
                                 f"{output / 'answers.jsonl'}.")
     output.parent.mkdir(parents=True, exist_ok=True)
-    done = answered_ids(output) if output.is_file() else set()
+    with _append_alone(output) as out:
+        return _answer(config, prompts, output, out, target, tokenizer, progress)
 
+
+@contextlib.contextmanager
+def _append_alone(output: Path):
+    """`output` opened for appending by this run alone: a second run on the same file (another terminal, another GPU)
+    would answer the prompts this one is answering and append them twice, as it reads the answered ids only at its
+    start. The lock (flock, POSIX) goes with the process, so a killed run leaves none behind. A file this run made
+    and wrote nothing to (the target failed to load, say) is removed."""
+    made = not output.exists()
+    try:
+        with output.open("a") as out:
+            try:
+                import fcntl
+            except ImportError:  # Windows: no flock; one run per file is then up to you
+                yield out
+                return
+            try:
+                fcntl.flock(out, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RuntimeError(
+                    f"Another `hf-specdiff distill` is appending to {output}: wait for it to finish (a rerun then "
+                    "answers only the prompts it has not), or give this run another --output. To answer faster, "
+                    "raise --batch-size rather than running two on one file."
+                ) from None
+            yield out
+    finally:
+        if made and output.is_file() and output.stat().st_size == 0:
+            output.unlink()
+
+
+def _answer(config: DistillConfig, prompts: list, output: Path, out, target, tokenizer, progress: bool) -> Path:
+    """distill's answering, with `output` locked for it (`out`, its append handle)."""
+    from tqdm.auto import tqdm
+
+    from .bench import TOKENIZER_REMEDY, check_prompt_vocabulary, prompt_ids
     from .embedded import target_and_tokenizer
+
+    done = answered_ids(output)
 
     target, tokenizer = target_and_tokenizer(target, tokenizer, config.target, config.tokenizer,
                                              getattr(torch, config.dtype))
@@ -211,7 +245,7 @@ def distill(config: DistillConfig, target=None, tokenizer=None, progress: bool =
     todo.sort(key=lambda row: len(row[2]))  # similar lengths per batch: less padding
     eos, pad = stop_and_pad_ids(target, tokenizer)
 
-    with output.open("a") as out, tqdm(total=len(todo), desc="distill", disable=not progress) as bar:
+    with tqdm(total=len(todo), desc="distill", disable=not progress) as bar:
         for start in range(0, len(todo), config.batch_size):
             batch = todo[start : start + config.batch_size]
             input_ids, mask = left_pad([ids for _, _, ids in batch], pad, config.device)

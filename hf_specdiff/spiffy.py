@@ -436,6 +436,7 @@ def calibrate(model, prompts: list[torch.LongTensor], config: DiffusionGeneratio
     from .diffusion.decoding import diffusion_generate
 
     check_calibration_options(num_nodes, max_depth, num_token_ranks, getattr(model.config, "vocab_size", None))
+    config = config.for_model(model)
     config.validate(model)
     recorder = TrajectoryRecorder(model.mask_token_id, config.remasking, max_depth, num_token_ranks)
     device = next(model.parameters()).device

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -251,10 +252,23 @@ def test_export_casts_saves_and_writes_the_model_card(tmp_path, continued, capsy
             in (tmp_path / "fresh" / "README.md").read_text())
     benched["config"]["target"] = None
     capsys.readouterr()
-    benched["environment"]["speculator"] = str(tmp_path)  # another model's bench: said
-    (tmp_path / "other.json").write_text(json.dumps(benched))
-    main(fresh + ["--bench-json", str(tmp_path / "other.json")])
-    assert f"measured the speculator in {tmp_path}, not this run's" in capsys.readouterr().err
+    # benched from an earlier export of this run (another folder, weights stored in bfloat16): this model's
+    # figures (before: warned of as another model's)
+    benched["environment"]["speculator"] = str(output)
+    (tmp_path / "earlier.json").write_text(json.dumps(benched))
+    main(fresh + ["--bench-json", str(tmp_path / "earlier.json")])
+    assert "not this run's" not in capsys.readouterr().err
+    assert "--speculator path/to/this/model`" in (tmp_path / "fresh" / "README.md").read_text()
+    other = tmp_path / "other_weights"  # the same layout, one tensor changed: another model's bench, said
+    shutil.copytree(output, other)
+    drafter = load_file(other / "model.safetensors")
+    first = sorted(drafter)[0]
+    save_file({**drafter, first: drafter[first] + 1}, other / "model.safetensors")
+    for folder in (tmp_path, other):
+        benched["environment"]["speculator"] = str(folder)
+        (tmp_path / "other.json").write_text(json.dumps(benched))
+        main(fresh + ["--bench-json", str(tmp_path / "other.json")])
+        assert f"measured the speculator in {folder}, not this run's" in capsys.readouterr().err
     assert card_limitations(card).startswith("Acceptance and speed were measured only as under Measured.")
     assert "for my-org/my-llama only" in card_limitations(card)
     main(fresh + ["--limitations", "Trained for a day only."])  # the exporter's own words replace the default

@@ -335,7 +335,11 @@ def test_bad_bench_inputs(tmp_path):
              '{"messages": [{"role": "assistant", "content": "b"}]}': '`messages` has no turn with role "user"',
              '{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}':
                  r"content has \['image_url'\] parts; these prompts are text",
-             '{"prompt": "ok"': "is not JSON"}
+             '{"prompt": "ok"': "is not JSON",
+             # an answer to nothing (before: benched as if it were one)
+             '{"prompt": " \\n"}': "`prompt` is empty, so there is nothing to answer",
+             '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, '
+             '{"role": "user", "content": ""}]}': "the last user turn is empty"}
     for line, message in lines.items():
         bad.write_text('{"prompt": "fine"}\n' + line + "\n")
         with pytest.raises(ValueError, match=f"bad.jsonl:2.*{message}"):

@@ -24,12 +24,13 @@ def test_diffusion_bench_end_to_end(tmp_path, recwarn):
     main(["bench", "--target", str(tmp_path / "dlm"), "--datasets", "gsm8k", "mbpp", "--limit", "2",
           # listed after its Spiffy method, or not at all, a baseline still runs before it: the lossless check needs it
           "--methods", "spiffy_threshold", "threshold", "spiffy", "ar_base", "--max-new-tokens", "16",
-          "--block-length", "8", "--threshold", "0.05", "--base", str(tmp_path / "base"),
+          "--threshold", "0.05", "--base", str(tmp_path / "base"),
           "--json", str(tmp_path / "out.json"),
           "--markdown", str(tmp_path / "out.md"), "--plots", str(tmp_path / "plots")])
     result = json.loads((tmp_path / "out.json").read_text())
     summary = result["summary"]
     assert result["runs"] == ["threshold", "spiffy_threshold", "steps", "spiffy", "ar_base"]
+    assert result["config"]["block_length"] == 8  # no --block-length: the graph's, for every method
     assert summary["steps"]["nfe"] == 16 and summary["steps"]["nfe_reduction_vs_steps"] == 1.0
     for name, entry in summary.items():  # coherence measures for every method, the AR base's too
         assert 0 <= entry["finished_rate"] <= 1 and 0 <= entry["repetition"] <= 1, name
@@ -123,10 +124,12 @@ def test_diffusion_demo(tmp_path, capsys, monkeypatch):
     prompts = [torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(i)) for i in range(3)]
     calibrate(model, prompts, DiffusionGenerationConfig(max_new_tokens=16, block_length=8, cache="dual"),
               num_nodes=8, progress=False).save_pretrained(tmp_path / "dlm")
-    main(["demo", "--diffusion", "--model", str(tmp_path / "dlm"), "--max-new-tokens", "16", "--block-length", "8",
+    # no --block-length: the graph's 8 (before: 32, which the graph refused)
+    main(["demo", "--diffusion", "--model", str(tmp_path / "dlm"), "--max-new-tokens", "16",
           "--threshold", "0.05", "--device", "cpu"])
     printed = capsys.readouterr().out
-    assert printed.count("block 0 |") >= 2 and "\u2591" in printed  # the block fills in over several forwards
+    # the block fills in over several forwards; blocks of 8 (the graph's), two of them
+    assert printed.count("block 0 |") >= 2 and "block 1 |" in printed and "\u2591" in printed
     assert printed.count("  yes") == 2 and "NO" not in printed
     methods = ("steps", "threshold", "spiffy", "spiffy+threshold")
 

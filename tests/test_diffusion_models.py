@@ -454,6 +454,46 @@ def test_decoding_sdar_in_blocks_of_another_size_than_it_was_trained_with_warns(
     assert AutoDiffusionLM.from_pretrained(published("llada")[0]).trained_block_length is None
 
 
+def test_block_length_left_out_is_the_graphs_else_the_trained_one_else_32(published):
+    """block_length None (the default of generate, bench, calibrate and demo): SDAR decodes in the blocks it was
+    trained with, silently; a Spiffy graph's block length wins, as it drafts for no other; a bidirectional model
+    gets 32 (before: 32 everywhere, so SDAR warned and Spiffy refused any graph not calibrated at 32)."""
+    import warnings
+
+    from hf_specdiff import enable
+    from hf_specdiff.diffusion import DiffusionGenerationConfig, diffusion_generate
+    from hf_specdiff.spiffy import calibrate
+
+    sdar = AutoDiffusionLM.from_pretrained(published("sdar")[0])
+    prompt = torch.tensor([[5, 9, 2, 7]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "trained with blocks of 4" warning
+        left_out = diffusion_generate(sdar, prompt, config=DiffusionGenerationConfig(max_new_tokens=8))
+    given = diffusion_generate(sdar, prompt, config=DiffusionGenerationConfig(max_new_tokens=8, block_length=4))
+    assert torch.equal(left_out.sequences, given.sequences) and left_out.nfe == given.nfe == 8
+
+    graph = calibrate(sdar, [prompt], DiffusionGenerationConfig(max_new_tokens=8, cache="dual"), num_nodes=4,
+                      progress=False)
+    assert graph.block_length == 4  # calibrated in the blocks the model decodes with
+    llada = enable(AutoDiffusionLM.from_pretrained(published("llada")[0]))
+    graph_of_8 = calibrate(llada, [prompt], DiffusionGenerationConfig(max_new_tokens=16, block_length=8,
+                                                                      cache="dual"), num_nodes=4, progress=False)
+    spiffy = llada.generate(prompt, max_new_tokens=16, cache="dual", speculation="spiffy", draft_graph=graph_of_8,
+                            return_dict_in_generate=True)
+    ordinary = llada.generate(prompt, max_new_tokens=16, block_length=8, cache="dual", return_dict_in_generate=True)
+    assert torch.equal(spiffy.sequences, ordinary.sequences)
+    assert DiffusionGenerationConfig(max_new_tokens=64).for_model(llada).block_length == 32
+    with pytest.raises(ValueError, match=r"max_new_tokens=20 must be a positive multiple of block_length=32 \(the "
+                                         r"default, as block_length is None\)"):
+        llada.generate(prompt, max_new_tokens=20)
+    with pytest.raises(ValueError, match=r"multiple of block_length=4 \(the block size the model was trained with"):
+        diffusion_generate(sdar, prompt, config=DiffusionGenerationConfig(max_new_tokens=6))
+    with pytest.raises(ValueError, match=r"steps=1 .* \(the draft graph's, as block_length is None\)"):
+        llada.generate(prompt, max_new_tokens=16, steps=1, cache="dual", speculation="spiffy", draft_graph=graph_of_8)
+    with pytest.raises(ValueError, match=r"config.for_model\(model, draft_graph\)"):
+        DiffusionGenerationConfig(max_new_tokens=8).validate(llada)
+
+
 def test_forward_errors(published):
     model = AutoDiffusionLM.from_pretrained(published("sdar")[0])
     ids, _ = inputs()

@@ -257,6 +257,43 @@ def test_an_output_folder_fails_before_the_target_loads(tmp_path, monkeypatch):
         distill(DistillConfig(sources=[prompts], output=str(tmp_path / "runs"), device="cpu"), progress=False)
 
 
+def test_a_second_run_on_the_same_output_is_refused_while_the_first_answers(tmp_path, smollm, monkeypatch):
+    """Before: a second `distill` on the file a first one was appending to read the ids answered so far, answered the
+    rest too, and both appended them: every such prompt twice. Here the second run starts while the first is
+    generating; it is refused, and the first writes each answer once. A run whose target fails to load leaves no
+    empty file behind."""
+    import hf_specdiff.embedded
+
+    target, tokenizer = smollm
+    prompts = _prompt_file(tmp_path / "prompts.jsonl", ["Say hi.", "Name a colour."])
+    config = DistillConfig(sources=[prompts], output=str(tmp_path / "answers.jsonl"), max_new_tokens=4,
+                           batch_size=1, device="cpu")
+    generate, refusals = target.generate, []
+
+    def generate_while_a_second_run_starts(*args, **kwargs):
+        with pytest.raises(RuntimeError, match=r"Another `hf-specdiff distill` is appending to .*answers\.jsonl: "
+                                               r"wait for it to finish .* or give this run another --output"):
+            distill(config, target, tokenizer, progress=False)
+        refusals.append(True)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(target, "generate", generate_while_a_second_run_starts)
+    distill(config, target, tokenizer, progress=False)
+    ids = [json.loads(line)["id"] for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert len(refusals) == 2 and sorted(ids) == ["q0", "q1"]
+    monkeypatch.setattr(target, "generate", generate)
+    distill(config, target, tokenizer, progress=False)  # the first run done, the file is free again
+    assert len((tmp_path / "answers.jsonl").read_text().splitlines()) == 2
+
+    def load_default_target(*args, **kwargs):
+        raise OSError("no weights here")
+
+    monkeypatch.setattr(hf_specdiff.embedded, "load_default_target", load_default_target)
+    with pytest.raises(OSError, match="no weights here"):
+        distill(DistillConfig(sources=[prompts], output=str(tmp_path / "new.jsonl"), device="cpu"), progress=False)
+    assert not (tmp_path / "new.jsonl").exists()
+
+
 def test_prompts_longer_than_max_prompt_tokens_are_not_skipped_silently(tmp_path, smollm):
     """Before: prompts over --max-prompt-tokens were dropped without a word, so a run could write fewer answers than
     --limit asked for, or an empty file, and say only "answers in ..."."""

@@ -530,7 +530,7 @@ def test_bad_decoding_inputs_are_refused():
     n = prompt.shape[1]
     right_padded = torch.cat([torch.ones(1, n - 1), torch.zeros(1, 1)], dim=1).long()
     cases = [
-        (dict(config=config(max_new_tokens=0)), "max_new_tokens=0 must be a positive multiple"),
+        (dict(config=config(max_new_tokens=0)), "max_new_tokens must be >= 1, got 0"),
         (dict(config=config(threshold=0.5, remasking="entropy")), "remasking='entropy' scores positions otherwise"),
         (dict(attention_mask=torch.ones(2, n).long()), r"attention_mask \(2, .*must have input_ids' shape"),
         (dict(attention_mask=right_padded), "must be left-padded"),

@@ -33,13 +33,14 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .._warnings import warn_at_caller
 
 REMASKING_RULES = ("low_confidence", "margin", "entropy", "random")
+DEFAULT_BLOCK_LENGTH = 32  # LLaDA's and Dream's; a block-causal model decodes with the blocks it was trained with
 CACHE_MODES = ("none", "prefix", "dual", "block")
 
 
@@ -50,7 +51,9 @@ class DiffusionGenerationConfig:
 
     max_new_tokens: int = field(default=128, metadata={"help": (
         "generation length: the answer canvas, a multiple of block_length")})
-    block_length: int = field(default=32, metadata={"help": "semi-autoregressive block size"})
+    block_length: int | None = field(default=None, metadata={"help": (
+        "semi-autoregressive block size; None: the draft graph's (Spiffy), else the block size a block-causal model "
+        f"was trained with (SDAR's config.json), else {DEFAULT_BLOCK_LENGTH}")})
     steps: int | None = field(default=None, metadata={"help": (
         "denoising steps over the whole answer, split evenly over blocks; None: max_new_tokens")})
     remasking: str = field(default="low_confidence", metadata={
@@ -73,7 +76,8 @@ class DiffusionGenerationConfig:
         the options alone, checked before a model loads)."""
         for name in ("max_new_tokens", "block_length", "steps", "seed", "max_drafts"):
             value = getattr(self, name)
-            if not (value is None and name == "steps") and (isinstance(value, bool) or not isinstance(value, int)):
+            if not (value is None and name in ("steps", "block_length")) and (isinstance(value, bool) or
+                                                                             not isinstance(value, int)):
                 raise TypeError(f"{name} must be an integer, got {value!r}.")
         for name in ("temperature", "threshold"):
             value = getattr(self, name)
@@ -82,17 +86,14 @@ class DiffusionGenerationConfig:
                 raise TypeError(f"{name} must be a number, got {value!r}.")
         if not isinstance(self.stop_at_eos, bool):
             raise TypeError(f"stop_at_eos must be True or False, got {self.stop_at_eos!r}.")
-        if self.block_length < 1 or self.max_new_tokens < 1 or self.max_new_tokens % self.block_length:
-            raise ValueError(
-                f"max_new_tokens={self.max_new_tokens} must be a positive multiple of block_length="
-                f"{self.block_length}; round it up or change block_length."
-            )
-        num_blocks = self.max_new_tokens // self.block_length
-        if self.steps is not None and (self.steps < num_blocks or self.steps % num_blocks):
-            raise ValueError(
-                f"steps={self.steps} must be a positive multiple of the number of blocks ({num_blocks} = "
-                f"max_new_tokens / block_length), so that every block gets the same number of steps."
-            )
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if model is not None and self.block_length is None:
+            raise ValueError("block_length=None is the model's own block length: decode with config.for_model(model, "
+                             "draft_graph), which names it.")
+        # block_length None (checked before a model loads): what depends on it is checked once for_model names it
+        if self.block_length is not None:
+            self._check_blocks()
         if self.steps is not None and self.steps > self.max_new_tokens:
             raise ValueError(
                 f"steps={self.steps} exceeds max_new_tokens={self.max_new_tokens}: every step unmasks at least one "
@@ -134,6 +135,40 @@ class DiffusionGenerationConfig:
                 f"cache={self.cache!r} needs a model that returns and reuses key/values; this adapter does not. "
                 "Use cache='none', or wrap a model that implements the DiffusionLM forward contract."
             )
+
+    def _check_blocks(self, source: str = "") -> None:
+        """The answer splits into whole blocks, each given the same number of steps. source: where a block length
+        the caller did not give came from."""
+        if self.block_length < 1 or self.max_new_tokens % self.block_length:
+            raise ValueError(
+                f"max_new_tokens={self.max_new_tokens} must be a positive multiple of block_length="
+                f"{self.block_length}{source}; round it up or change block_length."
+            )
+        num_blocks = self.max_new_tokens // self.block_length
+        if self.steps is not None and (self.steps < num_blocks or self.steps % num_blocks):
+            raise ValueError(
+                f"steps={self.steps} must be a positive multiple of the number of blocks ({num_blocks} = "
+                f"max_new_tokens / block_length{source}), so that every block gets the same number of steps."
+            )
+
+    def for_model(self, model, draft_graph=None) -> DiffusionGenerationConfig:
+        """This config with block_length named where it is None: the draft graph's (a graph drafts for the block
+        length it was calibrated with), else the block size a block-causal model was trained with (decoding in
+        blocks of another size attends as in no training example), else DEFAULT_BLOCK_LENGTH."""
+        if self.block_length is not None:
+            return self
+        trained = getattr(model, "trained_block_length", None)
+        if draft_graph is not None:
+            named = replace(self, block_length=draft_graph.block_length)
+            source = " (the draft graph's, as block_length is None)"
+        elif trained:
+            named = replace(self, block_length=trained)
+            source = " (the block size the model was trained with, as block_length is None)"
+        else:
+            named = replace(self, block_length=DEFAULT_BLOCK_LENGTH)
+            source = " (the default, as block_length is None)"
+        named._check_blocks(source)
+        return named
 
     @property
     def steps_per_block(self) -> int:
@@ -407,7 +442,7 @@ def diffusion_generate(
     """
     from .. import spiffy
 
-    config = config or DiffusionGenerationConfig()
+    config = (config or DiffusionGenerationConfig()).for_model(model, draft_graph)
     config.validate(model)
     _check_prompt(input_ids, attention_mask)
     if (token := out_of_vocabulary(input_ids, attention_mask, model)) is not None:

@@ -66,7 +66,7 @@ from ..training import (
     write_run_config,
 )
 from .adapter_weights import EMBEDDED_BASE, MASK_EMBEDDING, base_facts, load_base, save_adapter
-from .decoding import DiffusionGenerationConfig
+from .decoding import DEFAULT_BLOCK_LENGTH
 from .modeling import DiffusionLM
 
 SMOLLM2_MASK_TOKEN_ID = 16  # <empty_output>: a reserved special token that never occurs in SmolLM2's chat text
@@ -114,7 +114,7 @@ class DiffusionTrainConfig:
     mask_eps: float = field(default=1e-3, metadata={"help": "the masking ratio t is drawn from U(mask_eps, 1]"})
     block_masking_share: float = field(default=0.5, metadata={"help": (
         "share of sequences noised block-wise, as semi-autoregressive decoding sees them")})
-    block_length: int = field(default=DiffusionGenerationConfig.block_length, metadata={"help": (
+    block_length: int = field(default=DEFAULT_BLOCK_LENGTH, metadata={"help": (
         "block size of that block-wise masking: decoding's block_length")})
     batch_size: int = field(default=32, metadata={"help": "sequences per micro-batch (per process)"})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
