@@ -8,7 +8,7 @@
 Masked diffusion LMs (LLaDA, Dream, SDAR layouts, or your own through `DiffusionAdapter`) decode with Spiffy:
 
     dlm = hf_specdiff.enable(hf_specdiff.AutoDiffusionLM.from_pretrained(path))
-    dlm.generate(input_ids, max_new_tokens=256, block_length=32, speculation="spiffy", draft_graph=graph_path)
+    dlm.generate(input_ids, max_new_tokens=256, speculation="spiffy", draft_graph=graph_path)
 
 Importing the package changes nothing in transformers; `enable(model)` opts a single model in.
 """

@@ -222,7 +222,7 @@ def run_diffusion_bench(config, model=None, tokenizer=None, graph=None, base_mod
     # calibrated with (fewer drafts accepted, output as exact): recorded in the result and said under its table,
     # not warned as if the command were wrong
     graph_differences = {m: d for m in methods if m.startswith("spiffy")
-                         if (d := graph.calibration_differences(configs[m]))}
+                         if (d := graph.calibration_differences(configs[m], model))}
     # from the weights: a DiffusionAdapter (your own model) is a plain nn.Module, without DiffusionLM's `dtype`
     weights_dtype = next(model.parameters()).dtype
 
@@ -455,6 +455,10 @@ def diffusion_markdown_table(result: dict) -> str:
                  "MATH-500 answer match, "
                  "code sets: code parses; finished: answers ending with EOS within the budget; repeated 4-grams: "
                  "share of an answer's 4-grams seen earlier in it; base ppl: the AR base's perplexity of the answers.")
+    decoded = result.get("config") or {}
+    if decoded.get("block_length"):  # (left out, it is the graph's or the model's own: said, as it sets the NFE)
+        lines[-1] += (f" Decoded in blocks of {decoded['block_length']} tokens, {decoded.get('max_new_tokens')} "
+                      f"tokens per answer, cache {decoded.get('cache')!r}.")
     if differences := result.get("graph_calibration_differences"):  # (absent from results of earlier versions)
         lines.append(f"\nNote: {calibration_note(differences)}")
     return "\n".join(lines)

@@ -261,7 +261,8 @@ def _demo_diffusion_runs(prompt, model_path, graph, options: dict, threshold: fl
                        for t in cells.tolist())
         print(f"block {block} | {text}", flush=True)
 
-    print(f"\n> {prompt}\n\nSpiffy + threshold unmasking, one line per forward pass:")
+    print(f"\n> {prompt}\n\nSpiffy + threshold unmasking in blocks of {block_length} tokens, one line per forward "
+          "pass:")
     diffusion_generate(model, ids, config=DiffusionGenerationConfig(**options, threshold=threshold), draft_graph=graph,
                        eos_token_id=tokenizer.eos_token_id, on_forward=show)
     rows, outputs = [], {}
@@ -367,16 +368,20 @@ def _holds_weights_of(folder, artifact) -> bool:
     """Whether `folder` stores the tensors of `artifact` (a run's speculator/ or diffusion_lm/), each cast to the dtype
     `folder` stores it in: an export of the run, whichever folder and dtype it was exported to."""
     import torch
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
-    def tensors(root):
-        return {f"{file.relative_to(root)}:{name}": tensor for file in sorted(root.rglob("*.safetensors"))
-                for name, tensor in load_file(file).items()}
+    def tensors(root):  # opened lazily: another model's folder (a big one, say) differs by its names first
+        handles = {file.relative_to(root): safe_open(file, "pt") for file in sorted(root.rglob("*.safetensors"))}
+        return {(file, name): handle for file, handle in handles.items() for name in handle.keys()}
 
     stored, trained = tensors(folder), tensors(artifact)
-    return bool(trained) and stored.keys() == trained.keys() and all(
-        stored[key].shape == tensor.shape and torch.equal(stored[key], tensor.to(stored[key].dtype))
-        for key, tensor in trained.items())
+    if not trained or stored.keys() != trained.keys():
+        return False
+    for (file, name), handle in trained.items():
+        kept, tensor = stored[file, name].get_tensor(name), handle.get_tensor(name)
+        if kept.shape != tensor.shape or not torch.equal(kept, tensor.to(kept.dtype)):
+            return False
+    return True
 
 
 # what a card's bench command names the model it describes by
@@ -662,7 +667,7 @@ def calibrate(args) -> None:
                             num_token_ranks=options.num_token_ranks,
                             description={"model": recorded_model, **calibration_prompts})
     path = graph.save_pretrained(Path(options.output))
-    print(f"{len(graph)} nodes calibrated on {len(prompts)} prompts: {path}")
+    print(f"{len(graph)} nodes calibrated on {len(prompts)} prompts, for blocks of {graph.block_length} tokens: {path}")
 
 
 def _check_demo_flags(args: argparse.Namespace) -> None:

@@ -54,7 +54,8 @@ CALIBRATION_SUMMARY = ("model", "cache", "threshold", "steps_per_block", "remask
 class DraftGraph:
     """D draft nodes in topological order. nodes[n]: the node's formula; parents[n]: ids of its parents (ROOT = -1
     for a node one step ahead of the current state); counts[n]: how often calibration saw it; calibration: the
-    decoding settings and data it was calibrated with."""
+    decoding settings and data it was calibrated with; block_length: the block length it drafts for, the one it was
+    calibrated with (decoding that leaves block_length out uses it)."""
 
     nodes: list[Formula]
     parents: list[list[int]]
@@ -178,20 +179,27 @@ class DraftGraph:
             self.save_pretrained(folder)
             return upload_folder(Path(folder), repo_id, commit_message, **upload)
 
-    def check_compatible(self, config: DiffusionGenerationConfig, vocab_size: int | None = None) -> None:
+    def check_block_length(self, config: DiffusionGenerationConfig) -> None:
+        """Refuse decoding in blocks of another length than the graph's: its formulas rank positions of one block
+        of that length (block_length None, left out, is the graph's)."""
+        if config.block_length is not None and config.block_length != self.block_length:
+            raise ValueError(
+                f"This Spiffy graph was calibrated for block_length={self.block_length}, but decoding uses "
+                f"block_length={config.block_length}. Leave block_length out to decode in the graph's blocks, or pass "
+                f"block_length={self.block_length} (on the command line: --block-length {self.block_length}, or no "
+                f"--block-length), or calibrate a graph for {config.block_length} "
+                f"(`hf-specdiff calibrate --block-length {config.block_length}`)."
+            )
+
+    def check_compatible(self, config: DiffusionGenerationConfig, vocab_size: int | None = None, model=None) -> None:
         """Refuse decoding the graph cannot draft for (another block length, a smaller vocabulary); warn where its
-        recorded calibration settings differ from `config`'s (`calibration_differences`)."""
+        recorded calibration settings differ from `config`'s (`calibration_differences`, of `model` where given).
+        block_length None (left out) is the graph's."""
         if vocab_size is not None and self.max_token_rank >= vocab_size:
             raise ValueError(f"This Spiffy graph uses token rank {self.max_token_rank}, but the model has {vocab_size} "
                              "tokens: it was calibrated for another model; recalibrate it for this one.")
-        if config.block_length != self.block_length:
-            raise ValueError(
-                f"This Spiffy graph was calibrated for block_length={self.block_length}, but decoding uses "
-                f"block_length={config.block_length}. Decode with block_length={self.block_length} (on the command "
-                f"line: --block-length {self.block_length}) or calibrate a graph for {config.block_length} "
-                f"(`hf-specdiff calibrate --block-length {config.block_length}`)."
-            )
-        if differences := self.calibration_differences(config):
+        self.check_block_length(config)
+        if differences := self.calibration_differences(config, model):
             # Spiffy takes a draft only where it equals the real next state, so a graph learned under other settings
             # costs accepted drafts (forwards saved), never correctness: a warning, not a refusal
             warn_at_caller(
@@ -201,11 +209,16 @@ class DraftGraph:
                 "(`hf-specdiff calibrate` with the same --cache, --threshold, --steps, --remasking and --temperature)."
             )
 
-    def calibration_differences(self, config: DiffusionGenerationConfig) -> list[str]:
+    def calibration_differences(self, config: DiffusionGenerationConfig, model=None) -> list[str]:
         """The decoding settings the graph recorded at calibration that `config` does not share, as "name: recorded
-        value (graph) vs value (now)"; settings it did not record (a graph built by hand) are not compared."""
+        value (graph) vs value (now)"; settings it did not record (a graph built by hand) are not compared, nor, for
+        a block-causal `model`, the cache: every cache mode decodes it exactly, so along the same trajectories.
+        block_length None (left out) is the graph's."""
+        config = config.for_model(model, self)
         now = {"cache": config.cache, "threshold": config.threshold, "steps_per_block": config.steps_per_block,
                "remasking": config.remasking, "temperature": config.temperature}
+        if getattr(model, "block_causal", False):
+            del now["cache"]
         return [f"{name}: {self.calibration[name]!r} (graph) vs {value!r} (now)" for name, value in now.items()
                 if name in self.calibration and self.calibration[name] != value]
 
@@ -430,7 +443,8 @@ def check_calibration_options(num_nodes: int, max_depth: int, num_token_ranks: i
 def calibrate(model, prompts: list[torch.LongTensor], config: DiffusionGenerationConfig, num_nodes: int = 64,
               max_depth: int = 6, num_token_ranks: int = 3, progress: bool = True, description: dict | None = None):
     """Calibrate a `DraftGraph` for `model` under decoding `config` from ordinary decoding of `prompts` (token id
-    tensors of shape (1, n) or (n,)). The paper uses about 25 MATH-500 + 25 MBPP prompts."""
+    tensors of shape (1, n) or (n,)); config.block_length None (left out) is the model's own (`for_model`), and the
+    graph drafts for that block length only. The paper uses about 25 MATH-500 + 25 MBPP prompts."""
     from tqdm.auto import tqdm
 
     from .diffusion.decoding import diffusion_generate

@@ -31,6 +31,7 @@ def test_diffusion_bench_end_to_end(tmp_path, recwarn):
     summary = result["summary"]
     assert result["runs"] == ["threshold", "spiffy_threshold", "steps", "spiffy", "ar_base"]
     assert result["config"]["block_length"] == 8  # no --block-length: the graph's, for every method
+    assert "Decoded in blocks of 8 tokens, 16 tokens per answer, cache 'dual'." in (tmp_path / "out.md").read_text()
     assert summary["steps"]["nfe"] == 16 and summary["steps"]["nfe_reduction_vs_steps"] == 1.0
     for name, entry in summary.items():  # coherence measures for every method, the AR base's too
         assert 0 <= entry["finished_rate"] <= 1 and 0 <= entry["repetition"] <= 1, name
@@ -130,6 +131,7 @@ def test_diffusion_demo(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     # the block fills in over several forwards; blocks of 8 (the graph's), two of them
     assert printed.count("block 0 |") >= 2 and "block 1 |" in printed and "\u2591" in printed
+    assert "unmasking in blocks of 8 tokens" in printed
     assert printed.count("  yes") == 2 and "NO" not in printed
     methods = ("steps", "threshold", "spiffy", "spiffy+threshold")
 

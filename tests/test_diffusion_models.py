@@ -484,14 +484,70 @@ def test_block_length_left_out_is_the_graphs_else_the_trained_one_else_32(publis
     assert torch.equal(spiffy.sequences, ordinary.sequences)
     assert DiffusionGenerationConfig(max_new_tokens=64).for_model(llada).block_length == 32
     with pytest.raises(ValueError, match=r"max_new_tokens=20 must be a positive multiple of block_length=32 \(the "
-                                         r"default, as block_length is None\)"):
+                                         r"default, as block_length was left out\)"):
         llada.generate(prompt, max_new_tokens=20)
     with pytest.raises(ValueError, match=r"multiple of block_length=4 \(the block size the model was trained with"):
         diffusion_generate(sdar, prompt, config=DiffusionGenerationConfig(max_new_tokens=6))
-    with pytest.raises(ValueError, match=r"steps=1 .* \(the draft graph's, as block_length is None\)"):
+    with pytest.raises(ValueError, match=r"steps=1 .* \(the draft graph's, as block_length was left out\)"):
         llada.generate(prompt, max_new_tokens=16, steps=1, cache="dual", speculation="spiffy", draft_graph=graph_of_8)
     with pytest.raises(ValueError, match=r"config.for_model\(model, draft_graph\)"):
         DiffusionGenerationConfig(max_new_tokens=8).validate(llada)
+
+
+def test_a_length_no_multiple_of_the_block_length_names_the_next_one_and_where_the_block_length_came_from(published):
+    """Before: "...; round it up or change block_length." whatever the block length's source, though a draft graph
+    refuses any other block length, and SDAR warns of one it was not trained with."""
+    from hf_specdiff import enable
+    from hf_specdiff.spiffy import DraftGraph
+
+    sdar = enable(AutoDiffusionLM.from_pretrained(published("sdar")[0]))
+    prompt = torch.tensor([[5, 9, 2, 7]])
+    graph = DraftGraph(nodes=[((0, 0),)], parents=[[-1]], block_length=8)
+    for options, rounded_up, source, other in [
+        ({}, 20, r"the block size the model was trained with, as block_length was left out",
+         r"or pass a block_length that divides it \(--block-length N\), though the model then decodes in blocks of a "
+         r"size it was not trained with"),
+        ({"speculation": "spiffy", "draft_graph": graph}, 24, r"the draft graph's, as block_length was left out",
+         r"or calibrate a graph for a block length that divides it \(`hf-specdiff calibrate --block-length N`\)")]:
+        with pytest.raises(ValueError, match=rf"max_new_tokens=18 must be a positive multiple of block_length=\d+ "
+                                             rf"\({source}\): use max_new_tokens={rounded_up} \(--max-new-tokens "
+                                             rf"{rounded_up}\), {other}\.$"):
+            sdar.generate(prompt, max_new_tokens=18, cache="dual", **options)
+    with pytest.raises(ValueError, match=r"block_length=3: use max_new_tokens=9 \(--max-new-tokens 9\) or another "
+                                         r"block_length\.$"):
+        sdar.generate(prompt, max_new_tokens=8, block_length=3)
+    with pytest.raises(ValueError, match=r"^block_length must be >= 1, got 0\.$"):  # before: "a multiple of 0"
+        sdar.generate(prompt, max_new_tokens=8, block_length=0)
+
+
+def test_spiffy_on_sdar_warns_of_no_cache_but_the_calibrated_one_nor_before_refusing_a_block_length(published):
+    """Every cache mode decodes a block-causal model exactly, along the same trajectories, so a graph calibrated with
+    the dual cache (calibrate's default) drafts as well for generate()'s default cache='none' or for 'block': before,
+    that warned "calibrated with other decoding settings (cache: ...)". A block length the graph refuses is refused
+    without first warning that it is not the one the model was trained with."""
+    import warnings
+
+    from hf_specdiff import enable
+    from hf_specdiff.diffusion import DiffusionGenerationConfig
+    from hf_specdiff.spiffy import calibrate
+
+    sdar = enable(AutoDiffusionLM.from_pretrained(published("sdar")[0]))
+    prompt = torch.tensor([[5, 9, 2, 7, 3, 1]])
+    graph = calibrate(sdar, [prompt], DiffusionGenerationConfig(max_new_tokens=8, cache="dual"), num_nodes=4,
+                      progress=False)
+    ordinary = sdar.generate(prompt, max_new_tokens=8, cache="dual")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for cache in ("none", "prefix", "block"):
+            spiffy = sdar.generate(prompt, max_new_tokens=8, cache=cache, speculation="spiffy", draft_graph=graph)
+            assert torch.equal(spiffy, ordinary), cache
+    assert graph.calibration_differences(DiffusionGenerationConfig(max_new_tokens=8, cache="none")) == [
+        "cache: 'dual' (graph) vs 'none' (now)"]  # of no model: compared
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match=r"calibrated for block_length=4, but decoding uses block_length=8"):
+            sdar.generate(prompt, max_new_tokens=8, block_length=8, speculation="spiffy", draft_graph=graph)
+    assert [str(w.message) for w in caught] == []
 
 
 def test_forward_errors(published):

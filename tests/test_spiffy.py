@@ -220,7 +220,8 @@ def test_pruning_keeps_max_drafts_connected_nodes():
 
 
 def test_graph_errors(tmp_path):
-    with pytest.raises(ValueError, match="block_length=8.*block_length=16.*on the command line: --block-length 8"):
+    with pytest.raises(ValueError, match=r"block_length=8.*block_length=16. Leave block_length out to decode in the "
+                       r"graph's blocks.*on the command line: --block-length 8, or no --block-length"):
         DraftGraph(nodes=[((0, 0),)], parents=[[-1]], block_length=8).check_compatible(config(block_length=16))
     data = DraftGraph(nodes=[((0, 0),)], parents=[[-1]], block_length=8).to_dict()
     with pytest.raises(ValueError, match="format_version 99"):
@@ -307,6 +308,23 @@ def test_generate_integration_and_errors(tmp_path):
                                                             num_key_value_heads=2, mask_token_id=MASK))):
         with pytest.raises(AttributeError, match=f"{type(unenabled).__name__}.generate is .* call hf_specdiff.enable"):
             unenabled.generate(prompt, **options)
+
+
+def test_a_graph_takes_a_config_that_leaves_block_length_out_as_its_own():
+    """block_length None, the default since it follows the graph: before, check_compatible refused it as "decoding uses
+    block_length=None" (asking to calibrate a graph for None) and calibration_differences failed with a TypeError."""
+    import warnings
+
+    graph = DraftGraph(nodes=[((0, 0),)], parents=[[-1]], block_length=8, calibration={"steps_per_block": 8})
+    left_out = DiffusionGenerationConfig(max_new_tokens=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graph.check_compatible(left_out)  # blocks of 8, one token a step: the graph's settings
+    assert graph.calibration_differences(left_out) == []
+    assert graph.calibration_differences(DiffusionGenerationConfig(max_new_tokens=16, steps=4)) == [
+        "steps_per_block: 8 (graph) vs 2 (now)"]
+    with pytest.raises(ValueError, match=r"steps_per_block depends on block_length, left out here: .*for_model"):
+        left_out.steps_per_block  # noqa: B018 (before: TypeError on None)
 
 
 def test_a_graph_calibrated_for_other_decoding_settings_warns_at_the_callers_line():

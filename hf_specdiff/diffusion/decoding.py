@@ -40,7 +40,9 @@ import torch
 from .._warnings import warn_at_caller
 
 REMASKING_RULES = ("low_confidence", "margin", "entropy", "random")
-DEFAULT_BLOCK_LENGTH = 32  # LLaDA's and Dream's; a block-causal model decodes with the blocks it was trained with
+# block_length left out: LLaDA's and Dream's; a draft graph's own and a block-causal model's trained one go first
+# (`DiffusionGenerationConfig.for_model`)
+DEFAULT_BLOCK_LENGTH = 32
 CACHE_MODES = ("none", "prefix", "dual", "block")
 
 
@@ -73,7 +75,8 @@ class DiffusionGenerationConfig:
 
     def validate(self, model=None) -> None:
         """Refuse options that no decoding takes, and with `model`, those this model cannot decode with (model None:
-        the options alone, checked before a model loads)."""
+        the options alone, checked before a model loads, block_length None accepted). With `model`, block_length
+        must be named: validate `config.for_model(model, draft_graph)`."""
         for name in ("max_new_tokens", "block_length", "steps", "seed", "max_drafts"):
             value = getattr(self, name)
             if not (value is None and name in ("steps", "block_length")) and (isinstance(value, bool) or
@@ -136,13 +139,17 @@ class DiffusionGenerationConfig:
                 "Use cache='none', or wrap a model that implements the DiffusionLM forward contract."
             )
 
-    def _check_blocks(self, source: str = "") -> None:
+    def _check_blocks(self, source: str = "", other_block_length: str = " or another block_length") -> None:
         """The answer splits into whole blocks, each given the same number of steps. source: where a block length
-        the caller did not give came from."""
-        if self.block_length < 1 or self.max_new_tokens % self.block_length:
+        the caller did not give came from; other_block_length: the remedy of choosing another one, from there."""
+        if self.block_length < 1:
+            raise ValueError(f"block_length must be >= 1, got {self.block_length}.")
+        if self.max_new_tokens % self.block_length:
+            rounded_up = -(-self.max_new_tokens // self.block_length) * self.block_length
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} must be a positive multiple of block_length="
-                f"{self.block_length}{source}; round it up or change block_length."
+                f"{self.block_length}{source}: use max_new_tokens={rounded_up} (--max-new-tokens {rounded_up})"
+                f"{other_block_length}."
             )
         num_blocks = self.max_new_tokens // self.block_length
         if self.steps is not None and (self.steps < num_blocks or self.steps % num_blocks):
@@ -154,24 +161,34 @@ class DiffusionGenerationConfig:
     def for_model(self, model, draft_graph=None) -> DiffusionGenerationConfig:
         """This config with block_length named where it is None: the draft graph's (a graph drafts for the block
         length it was calibrated with), else the block size a block-causal model was trained with (decoding in
-        blocks of another size attends as in no training example), else DEFAULT_BLOCK_LENGTH."""
+        blocks of another size attends as in no training example), else DEFAULT_BLOCK_LENGTH. model None: a
+        model that records no trained block size."""
         if self.block_length is not None:
             return self
         trained = getattr(model, "trained_block_length", None)
         if draft_graph is not None:
             named = replace(self, block_length=draft_graph.block_length)
-            source = " (the draft graph's, as block_length is None)"
+            source = " (the draft graph's, as block_length was left out)"
+            # a graph refuses any other block length: the way out is another graph
+            other = (", or calibrate a graph for a block length that divides it (`hf-specdiff calibrate "
+                     "--block-length N`)")
         elif trained:
             named = replace(self, block_length=trained)
-            source = " (the block size the model was trained with, as block_length is None)"
+            source = " (the block size the model was trained with, as block_length was left out)"
+            other = (", or pass a block_length that divides it (--block-length N), though the model then decodes in "
+                     "blocks of a size it was not trained with")
         else:
             named = replace(self, block_length=DEFAULT_BLOCK_LENGTH)
-            source = " (the default, as block_length is None)"
-        named._check_blocks(source)
+            source = " (the default, as block_length was left out)"
+            other = ", or pass a block_length that divides it (--block-length N)"
+        named._check_blocks(source, other)
         return named
 
     @property
     def steps_per_block(self) -> int:
+        if self.block_length is None:  # (else a TypeError about None and //)
+            raise ValueError("steps_per_block depends on block_length, left out here: take it from "
+                             "config.for_model(model, draft_graph), which names the block length decoded with.")
         return (self.steps or self.max_new_tokens) // (self.max_new_tokens // self.block_length)
 
     def is_exact_for(self, model) -> bool:
@@ -443,6 +460,8 @@ def diffusion_generate(
     from .. import spiffy
 
     config = (config or DiffusionGenerationConfig()).for_model(model, draft_graph)
+    if draft_graph is not None:  # refused before validate warns of a block length other than a model's trained one
+        draft_graph.check_block_length(config)
     config.validate(model)
     _check_prompt(input_ids, attention_mask)
     if (token := out_of_vocabulary(input_ids, attention_mask, model)) is not None:
@@ -451,7 +470,7 @@ def diffusion_generate(
             f"to {model.config.vocab_size - 1}): tokenize the prompt with the model's own tokenizer."
         )
     if draft_graph is not None:
-        draft_graph.check_compatible(config, getattr(model.config, "vocab_size", None))
+        draft_graph.check_compatible(config, getattr(model.config, "vocab_size", None), model)
         if recorder is not None:  # drafts take steps without an ordinary forward, which the recorder would miss
             raise ValueError("recorder= records ordinary decoding (calibration); drop draft_graph= to record.")
     if streamer is not None and input_ids.shape[0] != 1:

@@ -170,7 +170,7 @@ def sample_noise(batch_size: int, mask_eps: float, block_share: float, generator
 
 
 def diffusion_masks(answer: torch.Tensor, t: torch.Tensor, generator: torch.Generator,
-                    block_rows: torch.Tensor | None = None, block_length: int = 32):
+                    block_rows: torch.Tensor | None = None, block_length: int = DEFAULT_BLOCK_LENGTH):
     """The forward (noising) process of one batch. answer (b, T) bool: maskable positions, contiguous per row; t (b,).
 
     Returns masked (b, T) bool, the positions replaced by [MASK], and scored (b, T) bool, those whose loss counts.
