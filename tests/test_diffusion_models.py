@@ -490,6 +490,8 @@ def test_block_length_left_out_is_the_graphs_else_the_trained_one_else_32(publis
         diffusion_generate(sdar, prompt, config=DiffusionGenerationConfig(max_new_tokens=6))
     with pytest.raises(ValueError, match=r"steps=1 .* \(the draft graph's, as block_length was left out\)"):
         llada.generate(prompt, max_new_tokens=16, steps=1, cache="dual", speculation="spiffy", draft_graph=graph_of_8)
+    with pytest.raises(TypeError, match=r"max_new_tokens must be an integer, got 16\.0"):  # its type before blocks
+        llada.generate(prompt, max_new_tokens=16.0)
     with pytest.raises(ValueError, match=r"config.for_model\(model, draft_graph\)"):
         DiffusionGenerationConfig(max_new_tokens=8).validate(llada)
 

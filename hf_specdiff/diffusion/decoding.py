@@ -165,6 +165,7 @@ class DiffusionGenerationConfig:
         model that records no trained block size."""
         if self.block_length is not None:
             return self
+        self.validate()  # the options alone first: a max_new_tokens of the wrong type is said as such
         trained = getattr(model, "trained_block_length", None)
         if draft_graph is not None:
             named = replace(self, block_length=draft_graph.block_length)
